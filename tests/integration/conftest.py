@@ -1,0 +1,82 @@
+"""Shared engines: starting vLLM costs ~20 s per replica, so tests share one service."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from torchrl_vllm_ext import VLLMService
+from torchrl_vllm_ext.testing import make_tiny_model
+
+# Small and exact: fp32 so replica log-probs can be compared with transformers'.
+ENGINE_KWARGS = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 64 << 20,
+}
+CPUS_PER_REPLICA = 0.5
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "qwen2", arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    # Logical CPUs beyond the 2 physical cores let fractional replicas scale in tests.
+    ray.init(
+        num_cpus=4,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={
+            "env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING"}
+        },
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def service(tiny_model, ray_cluster):
+    svc = VLLMService.launch(
+        tiny_model,
+        num_replicas=2,
+        cpus_per_replica=CPUS_PER_REPLICA,
+        health_check_interval=2.0,
+        **ENGINE_KWARGS,
+    )
+    yield svc
+    svc.shutdown()
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_token_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """Log-prob the transformers model gives each of ``ids[1:]`` after the tokens before it."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(x).logits.float()
+    logp = torch.log_softmax(logits[0, :-1], dim=-1)
+    return logp.gather(-1, x[0, 1:, None])[:, 0]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

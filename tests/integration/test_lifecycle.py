@@ -1,0 +1,63 @@
+"""Shutdown releases every actor, placement group and engine process, also after a failed launch."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import ray
+
+from torchrl_vllm_ext import ReplicaStartupError, ServiceClosedError, VLLMService
+
+from .conftest import CPUS_PER_REPLICA, ENGINE_KWARGS, wait_until
+
+
+def live_groups(prefix: str) -> list[str]:
+    return [
+        pg["name"]
+        for pg in ray.util.placement_group_table().values()
+        if pg["name"].startswith(prefix) and pg["state"] != "REMOVED"
+    ]
+
+
+def actor_exists(name: str) -> bool:
+    try:
+        ray.get_actor(name)
+        return True
+    except ValueError:
+        return False
+
+
+def test_context_manager_shutdown_releases_everything(tiny_model, ray_cluster):
+    with VLLMService.launch(
+        tiny_model, num_replicas=1, cpus_per_replica=CPUS_PER_REPLICA, **ENGINE_KWARGS
+    ) as svc:
+        rid = svc.replica_ids[0]
+        pids = [svc.replica_info(rid).pid, *ray.get(svc.replica_handle(rid).child_pids.remote())]
+        names = live_groups(svc.name)
+        assert len(names) == 1
+        assert len(svc.generate([[1, 2, 3]], {"max_tokens": 2})) == 1
+    assert live_groups(svc.name) == []
+    assert not actor_exists(names[0]), "the actor (named like its group) is gone"
+    wait_until(
+        lambda: (
+            not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids)
+        ),
+        30,
+        what="replica and engine processes to exit",
+    )
+    with pytest.raises(ServiceClosedError, match="shut down"):
+        svc.generate([[1, 2]], {"max_tokens": 2})
+    svc.shutdown()  # idempotent
+
+
+def test_failed_launch_releases_what_it_started(tiny_model, ray_cluster):
+    before = set(live_groups("tvllm-"))
+    with pytest.raises(ReplicaStartupError, match="could not start vLLM"):
+        # max_model_len beyond the model's positions fails inside the engine.
+        VLLMService.launch(
+            tiny_model,
+            num_replicas=1,
+            cpus_per_replica=CPUS_PER_REPLICA,
+            **{**ENGINE_KWARGS, "max_model_len": 10**7},
+        )
+    assert set(live_groups("tvllm-")) == before

