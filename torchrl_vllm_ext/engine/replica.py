@@ -104,9 +104,24 @@ class VLLMReplica:
         model: local model path.
         engine_kwargs: keyword arguments of vLLM's ``AsyncEngineArgs``.
         weight_version: version label the engine starts with.
+        omp_threads: OpenMP threads of the engine's CPU worker; None lets vLLM choose
+            (all cores for the model worker, one for the engine core), as in-process.
     """
 
-    def __init__(self, replica_id: int, model: str, engine_kwargs: dict, weight_version: str):
+    def __init__(
+        self,
+        replica_id: int,
+        model: str,
+        engine_kwargs: dict,
+        weight_version: str,
+        omp_threads: int | None = None,
+    ):
+        # Ray sets OMP_NUM_THREADS for every worker; vLLM's processes inherit it, and an
+        # externally set value makes vLLM keep that many spinning threads in the engine core.
+        if omp_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = str(omp_threads)
         self.replica_id = replica_id
         self._model = model
         self._engine_kwargs = dict(engine_kwargs)

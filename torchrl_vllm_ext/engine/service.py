@@ -267,11 +267,17 @@ class VLLMService:
             # in the group's bundles, so the actor itself holds no GPU.
             options.update(num_cpus=0, num_gpus=1 if res.num_workers == 1 else 0)
         else:
-            threads = max(1, math.ceil(res.cpus))
-            options.update(
-                num_cpus=res.cpus, runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}}
-            )
+            options.update(num_cpus=res.cpus)
         return options
+
+    def _omp_threads(self) -> int | None:
+        """Threads of a CPU replica's model worker: None (vLLM's default) when it owns its node."""
+        if self._res.use_gpu:
+            return None
+        node_cpus = max(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
+        if self._res.cpus >= node_cpus:
+            return None
+        return max(1, math.floor(self._res.cpus))
 
     def _engine_kwargs(self) -> dict:
         kwargs = {
@@ -294,7 +300,13 @@ class VLLMService:
         rep.actor = (
             ray.remote(VLLMReplica)
             .options(**self._actor_options(name, pg))
-            .remote(rid, self.config.model, self._engine_kwargs(), self._weight_version)
+            .remote(
+                rid,
+                self.config.model,
+                self._engine_kwargs(),
+                self._weight_version,
+                self._omp_threads(),
+            )
         )
         rep.info = await asyncio.wait_for(rep.actor.start.remote(), self.config.startup_timeout)
         if self._limits is None:
