@@ -15,6 +15,7 @@ from torchrl_vllm_ext.errors import (
     WeightSyncError,
 )
 from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestData, SampleData
+from torchrl_vllm_ext.wrappers import VLLMPolicy
 
 __all__ = [
     "ConfigurationError",
@@ -32,6 +33,7 @@ __all__ = [
     "ServiceConfig",
     "TorchRLVLLMError",
     "UnknownRoutingStrategyError",
+    "VLLMPolicy",
     "VLLMService",
     "WeightSyncError",
 ]

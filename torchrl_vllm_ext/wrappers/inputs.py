@@ -1,0 +1,185 @@
+"""Read a batch of prompts (or scored sequences) out of a TensorDict, with typed errors.
+
+Every reader returns one int64 numpy array per batch element, in row-major order of
+the batch dims, without any per-token Python loop: padded tensors are cut with their
+mask in one boolean index, nested tensors through their values and offsets, lazy
+stacks through their rows' own tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from tensordict import TensorDictBase
+
+from torchrl_vllm_ext.errors import InvalidRequestError
+
+NestedKey = str | tuple[str, ...]
+
+
+def key_str(key: NestedKey) -> str:
+    return repr(key if isinstance(key, str) else tuple(key))
+
+
+def rows_of(td: TensorDictBase) -> list[TensorDictBase]:
+    """The 0-dim elements of ``td`` in row-major order (a lazy stack's own rows, not copies)."""
+    if td.batch_dims == 0:
+        return [td]
+    return [r for sub in td.unbind(0) for r in rows_of(sub)]
+
+
+def read_tokens(
+    td: TensorDictBase,
+    key: NestedKey,
+    mask_key: NestedKey | None,
+    pad_token_id: int | None,
+) -> list[np.ndarray]:
+    """Token-id sequences under ``key``: padded + mask, nested/jagged, or ragged lazy rows.
+
+    A padded tensor without a mask is accepted only when it holds no ``pad_token_id``
+    (every position is then a real token); otherwise the padding would be ambiguous.
+    """
+    if key not in td.keys(include_nested=True):
+        raise InvalidRequestError(
+            f"the input TensorDict has no key {key_str(key)}; it has "
+            f"{sorted(map(str, td.keys(True, True)))}. Put the token ids there (int64), or build "
+            "the policy with the input_mode that matches your data."
+        )
+    n = max(1, int(np.prod(td.batch_size)))
+    try:
+        value = td.get(key)
+    except RuntimeError:  # ragged rows of a lazy stack cannot be stacked
+        value = None
+    if value is None or (isinstance(value, torch.Tensor) and value.is_nested):
+        return _from_ragged(td, key, value, n)
+    _check_int(value, key)
+    tokens = value.reshape(n, value.shape[-1]) if value.ndim else value.reshape(1, 1)
+    mask = td.get(mask_key, None) if mask_key is not None else None
+    if mask is None:
+        if pad_token_id is not None and bool((tokens == pad_token_id).any()):
+            raise InvalidRequestError(
+                f"{key_str(key)} is a padded tensor of shape {tuple(value.shape)} that contains the "
+                f"pad id {pad_token_id}, and no attention mask was found under "
+                f"{key_str(mask_key)}. Put a bool mask (True = real token, same shape) there, or "
+                "pass ragged tokens (a lazy stack or a nested tensor) instead."
+            )
+        return list(tokens.numpy().astype(np.int64, copy=False))
+    if mask.shape != value.shape:
+        raise InvalidRequestError(
+            f"the attention mask {key_str(mask_key)} has shape {tuple(mask.shape)} but the tokens "
+            f"{key_str(key)} have shape {tuple(value.shape)}; they must match (True = real token)."
+        )
+    mask = mask.reshape(tokens.shape).bool()
+    lengths = mask.sum(-1).tolist()
+    flat = tokens[mask].numpy().astype(np.int64, copy=False)
+    return np.split(flat, np.cumsum(lengths)[:-1])
+
+
+def _from_ragged(td, key, value, n) -> list[np.ndarray]:
+    if value is not None:  # a nested tensor (jagged or strided)
+        _check_int(value, key)
+        if value.layout == torch.jagged:
+            offsets = value.offsets().numpy()
+            flat = value.values().numpy().astype(np.int64, copy=False)
+            return np.split(flat, offsets[1:-1])
+        return [t.numpy().astype(np.int64, copy=False) for t in value.unbind(0)]
+    rows = td.get(key, as_list=True)
+    out = list(_flatten_lists(rows))
+    if len(out) != n:
+        raise InvalidRequestError(
+            f"{key_str(key)} holds {len(out)} sequences for a batch of {n}; give one per element."
+        )
+    for t in out:
+        _check_int(t, key)
+        if t.ndim != 1:
+            raise InvalidRequestError(
+                f"{key_str(key)} has a row of shape {tuple(t.shape)}; each row must be 1-D token ids."
+            )
+    return [t.numpy().astype(np.int64, copy=False) for t in out]
+
+
+def _flatten_lists(rows):
+    for r in rows:
+        if isinstance(r, list | tuple):
+            yield from _flatten_lists(r)
+        else:
+            yield r
+
+
+def _check_int(t: torch.Tensor, key) -> None:
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise InvalidRequestError(
+            f"{key_str(key)} has dtype {t.dtype}; token ids must be integers "
+            "(cast with .long(), e.g. td[key] = td[key].long())."
+        )
+
+
+def check_vocab(prompts: Sequence[np.ndarray], key: NestedKey, max_token_id: int | None) -> None:
+    """Reject empty sequences and ids outside ``[0, max_token_id]``, naming the key and row."""
+    if not prompts:
+        raise InvalidRequestError(f"{key_str(key)}: the batch is empty; pass at least one row.")
+    lengths = np.fromiter((p.size for p in prompts), dtype=np.int64, count=len(prompts))
+    if (lengths == 0).any():
+        row = int(np.argmin(lengths))
+        raise InvalidRequestError(
+            f"{key_str(key)} row {row} is empty (after removing padding); every sequence needs "
+            "at least one token."
+        )
+    if max_token_id is None:
+        return
+    flat = np.concatenate(prompts)
+    bad = (flat < 0) | (flat > max_token_id)
+    if bad.any():
+        pos = int(np.argmax(bad))
+        row = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+        raise InvalidRequestError(
+            f"{key_str(key)} row {row} contains token id {int(flat[pos])}, outside the model's "
+            f"vocabulary [0, {max_token_id}]; check that the tokenizer matches the served model."
+        )
+
+
+def read_texts(td: TensorDictBase, key: NestedKey) -> list[str]:
+    """Strings under ``key`` (NonTensorData / NonTensorStack), flattened row-major."""
+    if key not in td.keys(include_nested=True):
+        raise InvalidRequestError(
+            f"the input TensorDict has no key {key_str(key)}; put the prompt strings there "
+            '(e.g. TensorDict({"text": Text(prompt=["..."], batch_size=[1])}, batch_size=[1])).'
+        )
+    value = td.get(key)
+    texts = value.tolist() if hasattr(value, "tolist") else value
+    texts = [texts] if isinstance(texts, str) else list(_flatten_lists(texts))
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise InvalidRequestError(
+                f"{key_str(key)} row {i} is a {type(t).__name__}, not a str; text mode needs strings."
+            )
+    return texts
+
+
+def read_histories(rows: Sequence[TensorDictBase], key: NestedKey) -> list[Any]:
+    """The ``History`` (messages dim only) under ``key`` of each 0-dim row."""
+    from torchrl.data.llm import History
+
+    out = []
+    for i, row in enumerate(rows):
+        history = row.get(key, None)
+        if history is None:
+            raise InvalidRequestError(
+                f"the input TensorDict has no key {key_str(key)} (row {i}); put a torchrl History "
+                "there: ChatHistory(prompt=History.from_chats([[{'role': 'user', 'content': ...}]]))."
+            )
+        if not isinstance(history, History):
+            raise InvalidRequestError(
+                f"{key_str(key)} is a {type(history).__name__}, not a torchrl.data.llm.History; "
+                "build it with History.from_chats([[{'role': 'user', 'content': ...}], ...])."
+            )
+        if history.batch_dims != 1:
+            raise InvalidRequestError(
+                f"{key_str(key)} row {i} has batch dims {tuple(history.batch_size)}; each batch "
+                "element needs a History with exactly one dim (its messages)."
+            )
+        out.append(history)
+    return out
