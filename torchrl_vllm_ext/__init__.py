@@ -16,6 +16,7 @@ from torchrl_vllm_ext.errors import (
 )
 from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestData, SampleData
 from torchrl_vllm_ext.wrappers import VLLMPolicy
+from torchrl_vllm_ext.weight_sync.scheme import SyncReport, WeightSyncScheme
 
 __all__ = [
     "ConfigurationError",
@@ -31,9 +32,11 @@ __all__ = [
     "SampleData",
     "ServiceClosedError",
     "ServiceConfig",
+    "SyncReport",
     "TorchRLVLLMError",
     "UnknownRoutingStrategyError",
     "VLLMPolicy",
     "VLLMService",
     "WeightSyncError",
+    "WeightSyncScheme",
 ]

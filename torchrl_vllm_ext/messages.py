@@ -82,3 +82,54 @@ class ReplicaStats:
     """Weight version the engine serves."""
     paused: bool
     """Whether generation is paused."""
+
+
+# ---------------------------------------------------------------------------- weight sync
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter as it travels: Hugging Face name, dtype, shape and checksum."""
+
+    name: str
+    """Hugging Face parameter name (e.g. ``model.layers.0.mlp.up_proj.weight``)."""
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix (``float32``, ``bfloat16``, ...)."""
+    shape: tuple[int, ...]
+    """Full (unsharded) shape."""
+    checksum: int = 0
+    """Sum of the tensor's bytes read as uint64 words, mod 2**64 (see weight_sync.checksum)."""
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """A packed bucket of the broadcast transport: same-dtype tensors laid end to end."""
+
+    dtype: str
+    """dtype of every tensor in the bucket."""
+    tensors: tuple[TensorSpec, ...]
+    """The tensors, in the order they are packed."""
+    nbytes: int
+    """Size of the packed buffer."""
+    checksum: int
+    """Checksum of the packed buffer."""
+
+
+@dataclass(frozen=True)
+class UpdateHeader:
+    """The one control message of a broadcast update; buckets follow as collectives."""
+
+    version: str
+    """Weight version the update installs."""
+    buckets: tuple[BucketSpec, ...]
+    """Bucket layout, in broadcast order."""
+
+
+@dataclass(frozen=True)
+class SlotManifest:
+    """What a published storage slot holds; written atomically as ``current.json``."""
+
+    version: str
+    """Weight version in the slot."""
+    slot: str
+    """Slot directory name ("A" or "B")."""
+    tensors: tuple[TensorSpec, ...]
+    """Every tensor of the slot, with its checksum."""

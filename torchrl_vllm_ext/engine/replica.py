@@ -22,6 +22,7 @@ from torchrl_vllm_ext.errors import (
     InvalidRequestError,
     ReplicaDeadError,
     ReplicaStartupError,
+    WeightSyncError,
 )
 from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestData, SampleData
 
@@ -223,7 +224,10 @@ class VLLMReplica:
 
     async def _one(self, prompt: list[int], sp, request_id: str):
         final = None
-        async for out in self.engine.generate({"prompt_token_ids": prompt}, sp, request_id):
+        # Salting the prefix cache with the weight version means cache entries computed
+        # with older weights can never serve a request made after a sync.
+        engine_input = {"prompt_token_ids": prompt, "cache_salt": f"w{self._version}"}
+        async for out in self.engine.generate(engine_input, sp, request_id):
             final = out
         return final
 
@@ -291,6 +295,37 @@ class VLLMReplica:
         """Call ``method`` on every vLLM worker (worker extensions live there)."""
         self._require_engine()
         return await self.engine.collective_rpc(method, args=args, kwargs=kwargs)
+
+    async def update_weights(self, method: str, args: tuple, version: str, pause_mode: str) -> dict:
+        """One weight update, as a short sequence of named steps; returns their timings.
+
+        1) pause generation (``abort`` / ``wait`` / ``keep``), 2) receive or load through
+        the worker extension's ``method``, 3) verify every worker reports ``version``,
+        4) set the weight version and drop the prefix cache, 5) resume. Generation
+        resumes even when a step fails; transports verify before they load, so a
+        failed update leaves the previous weights serving.
+        """
+        import time
+
+        self._require_engine()
+        if pause_mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"pause mode {pause_mode!r} is not one of {PAUSE_MODES}.")
+        t0 = time.perf_counter()
+        await self.pause(pause_mode, clear_cache=pause_mode != "keep")  # 1) pause
+        t1 = time.perf_counter()
+        try:
+            reported = await self.engine.collective_rpc(method, args=tuple(args))  # 2) load
+            t2 = time.perf_counter()
+            if any(str(v) != str(version) for v in reported):  # 3) verify
+                raise WeightSyncError(
+                    f"replica {self.replica_id}: workers loaded versions {reported}, expected {version!r}."
+                )
+            await self.set_weight_version(version)  # 4) version + cache
+            await self.engine.reset_prefix_cache()
+        finally:
+            await self.resume()  # 5) resume
+        t3 = time.perf_counter()
+        return {"pause_s": t3 - t0, "pausing_s": t1 - t0, "load_s": t2 - t1}
 
     async def shutdown(self) -> None:
         """Stop the engine and its processes."""

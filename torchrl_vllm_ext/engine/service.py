@@ -50,6 +50,7 @@ from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestData
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROUTING = ("prefix", "least_outstanding")
+WORKER_EXTENSION = "torchrl_vllm_ext.weight_sync.worker.WeightSyncWorkerExtension"
 _DEATH_ERRORS = (
     ray.exceptions.RayActorError,
     ray.exceptions.ActorUnavailableError,
@@ -288,6 +289,8 @@ class VLLMService:
             kwargs["distributed_executor_backend"] = "ray"
         if not self._res.use_gpu:
             kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES_DEFAULT
+        # The receiving end of the weight-sync transports (see weight_sync/worker.py).
+        kwargs["worker_extension_cls"] = WORKER_EXTENSION
         kwargs.update(self.config.engine_kwargs)
         return kwargs
 
@@ -637,6 +640,11 @@ class VLLMService:
         return self._replicas[replica_id].info
 
     @property
+    def uses_gpu(self) -> bool:
+        """Whether the replicas run on GPUs."""
+        return bool(self._res and self._res.use_gpu)
+
+    @property
     def num_replicas(self) -> int:
         return len(self.replica_ids)
 
@@ -662,6 +670,10 @@ class VLLMService:
         """Label every replica's weights with ``version`` (restarted replicas get it too)."""
         self._weight_version = str(version)
         self._run(self._broadcast("set_weight_version", str(version)))
+
+    def record_weight_version(self, version: str | int) -> None:
+        """Note the version the replicas now serve (weight-sync schemes call this after a push)."""
+        self._weight_version = str(version)
 
     def weight_versions(self) -> dict[int, str]:
         versions = self._run(self._broadcast("get_weight_version"))

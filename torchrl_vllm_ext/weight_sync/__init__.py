@@ -1,0 +1,1 @@
+"""Trainer -> replicas weight sync: packed broadcast (NCCL | gloo) or a memory-mapped double buffer."""

@@ -1,0 +1,151 @@
+"""Trainer weights in, validated named tensors out; checksums; the expected parameter set.
+
+Everything a push must reject is rejected here, before any replica is touched:
+missing, extra, wrongly shaped or non-finite parameters.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.messages import TensorSpec
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+# safetensors header names -> torch names
+_SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise WeightSyncError(
+            f"dtype {name!r} is not supported; use one of {sorted(_DTYPES)}."
+        ) from None
+
+
+def checksum(t: torch.Tensor) -> int:
+    """Sum of the tensor's bytes as little-endian uint64 words (tail bytes zero-padded), mod 2**64.
+
+    Fast (memory bandwidth) and order-sensitive enough to catch torn or stale
+    data; it is an integrity check, not a cryptographic one.
+    """
+    raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    words = raw[: raw.size - raw.size % 8].view(np.uint64)
+    total = int(words.sum(dtype=np.uint64))
+    if raw.size % 8:
+        tail = np.zeros(8, dtype=np.uint8)
+        tail[: raw.size % 8] = raw[raw.size - raw.size % 8 :]
+        total += int(tail.view(np.uint64)[0])
+    return (total + raw.size) % (1 << 64)
+
+
+def expected_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
+    """The parameters a checkpoint holds (names, dtypes, shapes), read from safetensors headers."""
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightSyncError(
+            f"no *.safetensors in {model_dir}; the weight sync reads the expected parameters "
+            "from the checkpoint the replicas serve."
+        )
+    specs = {}
+    for f in files:
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            specs[name] = TensorSpec(
+                name=name,
+                dtype=_SAFETENSORS_DTYPES.get(meta["dtype"], meta["dtype"]),
+                shape=tuple(meta["shape"]),
+            )
+    return specs
+
+
+def named_tensors(weights) -> dict[str, torch.Tensor]:
+    """Flatten an ``nn.Module``, a state dict or a TensorDict into {HF name: tensor}."""
+    if isinstance(weights, nn.Module):
+        return {k: v.detach() for k, v in weights.state_dict().items()}
+    try:
+        from tensordict import TensorDictBase
+
+        if isinstance(weights, TensorDictBase):
+            return {
+                k: v.detach()
+                for k, v in weights.flatten_keys(".").items(include_nested=True, leaves_only=True)
+            }
+    except ImportError:  # tensordict is a dependency; keep the module importable without it
+        pass
+    if isinstance(weights, Mapping):
+        out = {}
+        for k, v in weights.items():
+            if not isinstance(v, torch.Tensor):
+                raise WeightSyncError(
+                    f"weights[{k!r}] is a {type(v).__name__}, not a tensor; pass a state dict of tensors."
+                )
+            out[str(k)] = v.detach()
+        return out
+    raise WeightSyncError(
+        f"weights of type {type(weights).__name__} are not supported; pass an nn.Module, a state "
+        "dict or a TensorDict keyed by Hugging Face parameter names."
+    )
+
+
+def validate(
+    weights: dict[str, torch.Tensor], expected: dict[str, TensorSpec]
+) -> dict[str, torch.Tensor]:
+    """Check names, shapes and finiteness; return the tensors to send, in the checkpoint's order.
+
+    Names that the checkpoint lacks are dropped only when they alias a tensor that is
+    sent, or are the LM head of a checkpoint that stores none (tied embeddings).
+    """
+    missing = [n for n in expected if n not in weights]
+    if missing:
+        raise WeightSyncError(
+            f"parameter {missing[0]!r} is missing from the pushed weights ({len(missing)} missing); "
+            "push the full model with Hugging Face names (model.state_dict())."
+        )
+    sent_ptrs = {weights[n].untyped_storage().data_ptr() for n in expected}
+    for name, t in weights.items():
+        tied = name == "lm_head.weight" and "model.embed_tokens.weight" in expected
+        if name not in expected and not tied and t.untyped_storage().data_ptr() not in sent_ptrs:
+            raise WeightSyncError(
+                f"parameter {name!r} is not in the served checkpoint; check the parameter names "
+                f"(e.g. {next(iter(expected))!r}) match the model the replicas serve."
+            )
+    out = {}
+    for name, spec in expected.items():
+        t = weights[name]
+        if tuple(t.shape) != spec.shape:
+            raise WeightSyncError(
+                f"parameter {name!r} has shape {tuple(t.shape)} but the served model expects "
+                f"{spec.shape}; push weights of the same architecture."
+            )
+        if t.dtype not in _DTYPES.values():
+            raise WeightSyncError(f"parameter {name!r} has dtype {t.dtype}; use a floating dtype.")
+        if not bool(torch.isfinite(t).all()):
+            raise WeightSyncError(
+                f"parameter {name!r} contains NaN or inf; the push was rejected and the replicas "
+                "keep their weights. Check the training step that produced it."
+            )
+        out[name] = t
+    return out

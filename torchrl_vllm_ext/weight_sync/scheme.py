@@ -1,0 +1,276 @@
+"""WeightSyncScheme: push trainer weights into every replica of a VLLMService, verifiably.
+
+A push is: validate (before anything is touched) -> transfer -> on each replica
+pause -> load -> verify -> set version -> resume (``VLLMReplica.update_weights``).
+The storage transport writes and stages before the pause, so the pause covers
+only the in-memory load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+
+from torchrl_vllm_ext.engine.replica import PAUSE_MODES
+from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
+from torchrl_vllm_ext.weight_sync.broadcast import (
+    DEFAULT_BUCKET_BYTES,
+    BroadcastGroup,
+    free_port,
+    pack,
+)
+from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
+from torchrl_vllm_ext.weight_sync.storage import SlotWriter
+from torchrl_vllm_ext.weight_sync.worker import header_to_json
+
+logger = logging.getLogger(__name__)
+
+TRANSPORTS = ("auto", "broadcast", "storage")
+
+
+@dataclass
+class SyncReport:
+    """What one push did and how long it took."""
+
+    version: str
+    """The version now served by every replica."""
+    transport: str
+    """``storage`` or ``broadcast``."""
+    nbytes: int
+    """Bytes of weights pushed."""
+    seconds: float
+    """From ``push`` to every replica serving the new version."""
+    pause_s: dict[int, float] = field(default_factory=dict)
+    """Per replica: how long generation was paused."""
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+
+def choose_transport(service, requested: str, shared_dir) -> tuple[str, str]:
+    """Pick the transport for ``auto``; returns (transport, reason)."""
+    if requested not in TRANSPORTS:
+        raise ConfigurationError(f"transport={requested!r} is not one of {TRANSPORTS}.")
+    if requested != "auto":
+        return requested, "requested explicitly"
+    if torch.cuda.is_available() and service.uses_gpu:
+        return "broadcast", "the trainer and every replica have CUDA: NCCL broadcast"
+    if shared_dir is not None:
+        return "storage", f"a shared directory was given ({shared_dir})"
+    here = ray.util.get_node_ip_address()
+    hosts = {service.replica_info(r).node_ip for r in service.replica_ids}
+    if hosts <= {here}:
+        return "storage", f"the trainer and every replica share host {here}"
+    return (
+        "broadcast",
+        f"replicas on other hosts {sorted(hosts - {here})} and no shared directory: gloo broadcast",
+    )
+
+
+class WeightSyncScheme:
+    """Pushes trainer weights into every replica of a :class:`~torchrl_vllm_ext.VLLMService`.
+
+    Args:
+        service: the running service.
+        transport: ``"auto"``, ``"broadcast"`` (packed buckets over NCCL or gloo) or
+            ``"storage"`` (memory-mapped A/B slots read by ``load_weights_from_storage``).
+        storage_dir: root of the storage slots (default: a private tmpfs directory);
+            on a multi-host cluster, a directory every host shares.
+        bucket_bytes: broadcast bucket size.
+        pause_mode: how replicas pause during the load: ``abort``, ``wait`` or ``keep``.
+        timeout_s: collective timeout of the broadcast group.
+
+    Examples:
+        >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
+        >>> scheme.push(trainer_model, version=1).version  # doctest: +SKIP
+        '1'
+    """
+
+    def __init__(
+        self,
+        service,
+        transport: str = "auto",
+        *,
+        storage_dir: str | Path | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        pause_mode: str = "abort",
+        timeout_s: float = 300.0,
+    ):
+        if pause_mode not in PAUSE_MODES:
+            raise ConfigurationError(f"pause_mode={pause_mode!r} is not one of {PAUSE_MODES}.")
+        self.service = service
+        self.transport, self.reason = choose_transport(service, transport, storage_dir)
+        self.backend = "nccl" if torch.cuda.is_available() and service.uses_gpu else "gloo"
+        self.pause_mode = pause_mode
+        self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
+        self.expected = expected_specs(service.config.model)
+        self.version: str | None = None
+        self.last_report: SyncReport | None = None
+        self._lock = threading.Lock()
+        self._writer = SlotWriter(storage_dir) if self.transport == "storage" else None
+        self._group: BroadcastGroup | None = None
+        self._members: tuple = ()
+        self._last_update: tuple[str, list[torch.Tensor]] | None = None  # broadcast: for restarts
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-sync")
+        service.add_restart_hook(self._bring_up_to_date)
+        logger.info("weight sync transport: %s (%s)", self.transport, self.reason)
+
+    @property
+    def storage_dir(self) -> Path | None:
+        return self._writer.root if self._writer is not None else None
+
+    # ------------------------------------------------------------------ push
+    def push(self, weights, version: str | int) -> SyncReport:
+        """Push ``weights`` (nn.Module, state dict or TensorDict, HF names) as ``version``; blocks.
+
+        Raises :class:`WeightSyncError` naming the parameter for missing, extra,
+        wrongly shaped or non-finite weights; then nothing was sent and every replica
+        keeps serving its previous version.
+        """
+        version = str(version)
+        start = time.perf_counter()
+        tensors = validate(named_tensors(weights), self.expected)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with self._lock:
+            if self.transport == "storage":
+                pauses = self._push_storage(tensors, version)
+            else:
+                pauses = self._push_broadcast(tensors, version)
+            self.version = version
+            self.service.record_weight_version(version)
+        report = SyncReport(version, self.transport, nbytes, time.perf_counter() - start, pauses)
+        self.last_report = report
+        logger.info(
+            "pushed version %s via %s: %.1f MB in %.3fs (%.2f GB/s), max pause %.3fs",
+            version,
+            self.transport,
+            nbytes / 1e6,
+            report.seconds,
+            report.gb_per_s,
+            max(pauses.values(), default=0.0),
+        )
+        return report
+
+    def push_async(self, weights, version: str | int) -> concurrent.futures.Future:
+        """Like :meth:`push` but returns a future; pushes run one at a time, in order."""
+        return self._pool.submit(self.push, weights, version)
+
+    def _replicas(self) -> list[tuple[int, object]]:
+        return [(rid, self.service.replica_handle(rid)) for rid in self.service.replica_ids]
+
+    def _apply(self, replicas, method: str, args: tuple, version: str) -> dict[int, float]:
+        refs = [
+            h.update_weights.remote(method, args, version, self.pause_mode) for _, h in replicas
+        ]
+        timings = ray.get(refs)
+        return {rid: t["pause_s"] for (rid, _), t in zip(replicas, timings, strict=True)}
+
+    def _push_storage(self, tensors, version: str) -> dict[int, float]:
+        self._writer.write(tensors, version)
+        root = str(self._writer.root)
+        replicas = self._replicas()
+        # Read and verify the new slot while still generating; only the load pauses.
+        ray.get(
+            [
+                h.collective_rpc.remote("stage_weights_from_storage", (root, version))
+                for _, h in replicas
+            ]
+        )
+        return self._apply(replicas, "load_staged_weights", (version,), version)
+
+    def _push_broadcast(self, tensors, version: str) -> dict[int, float]:
+        header, buffers = pack(tensors, version, self.bucket_bytes)
+        replicas = self._replicas()
+        self._ensure_group(replicas)
+        refs = [
+            h.update_weights.remote(
+                "receive_weight_broadcast", (header_to_json(header),), version, self.pause_mode
+            )
+            for _, h in replicas
+        ]
+        try:
+            self._group.send(buffers)
+        except Exception as e:
+            self._drop_group()
+            raise WeightSyncError(
+                f"broadcast of version {version} failed: {e}; replicas keep their weights."
+            ) from e
+        timings = ray.get(refs)
+        self._last_update = (header_to_json(header), buffers)
+        return {rid: t["pause_s"] for (rid, _), t in zip(replicas, timings, strict=True)}
+
+    # ------------------------------------------------------------------ group
+    def _workers_per_replica(self) -> int:
+        cfg = self.service.config
+        return cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+
+    def _form_group(self, handles) -> BroadcastGroup:
+        host = ray.util.get_node_ip_address()
+        port = free_port(host)
+        n = self._workers_per_replica()
+        world = 1 + n * len(handles)
+        refs = [
+            h.collective_rpc.remote(
+                "init_weight_broadcast",
+                (host, port, world, 1 + i * n, self.backend, self.timeout_s),
+            )
+            for i, h in enumerate(handles)
+        ]
+        group = BroadcastGroup(self.backend, host, port, world, self.timeout_s)
+        ray.get(refs)
+        return group
+
+    def _ensure_group(self, replicas) -> None:
+        members = tuple((rid, self.service.replica_info(rid).pid) for rid, _ in replicas)
+        if self._group is not None and members == self._members:
+            return
+        self._drop_group()
+        self._group = self._form_group([h for _, h in replicas])
+        self._members = members
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            for rid, _ in self._members:
+                if rid in self.service.replica_ids:
+                    self.service.replica_handle(rid).collective_rpc.remote("close_weight_broadcast")
+            self._group.close()
+        self._group, self._members = None, ()
+
+    # ------------------------------------------------------------------ restarts
+    async def _bring_up_to_date(self, service, rid: int) -> None:
+        """Restart hook: load the current weights into a new replica before it serves."""
+        if self.version is None:
+            return
+        await asyncio.to_thread(self._lock.acquire)
+        try:
+            handle = service.replica_handle(rid)
+            if self.transport == "storage":
+                await handle.collective_rpc.remote(
+                    "load_weights_from_storage", (str(self._writer.root), self.version)
+                )
+            else:
+                header_json, buffers = self._last_update
+                group = await asyncio.to_thread(self._form_group, [handle])
+                ref = handle.collective_rpc.remote("receive_weight_broadcast", (header_json,))
+                await asyncio.to_thread(group.send, buffers)
+                await ref
+                await handle.collective_rpc.remote("close_weight_broadcast")
+                group.close()
+            await handle.set_weight_version.remote(self.version)
+            logger.info("restarted replica %d brought to weight version %s", rid, self.version)
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        self._drop_group()
+        self._pool.shutdown(wait=True)

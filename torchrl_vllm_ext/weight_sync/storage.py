@@ -1,0 +1,213 @@
+"""The storage transport's double buffer: two memory-mapped TensorDict slots, A and B.
+
+Writer: fill the idle slot in place (allocated once), then publish a manifest
+(version, slot, names, shapes, dtypes, checksums) by atomically renaming
+``current.json``. Readers open only the published slot and verify it against the
+manifest, so a writer killed at any moment leaves readers on the last published
+version. Directories are 0700 and files 0600: the weights are the user's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.messages import SlotManifest, TensorSpec
+from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name
+
+logger = logging.getLogger(__name__)
+
+SLOTS = ("A", "B")
+CURRENT = "current.json"
+
+
+def default_root() -> Path:
+    """A private directory on tmpfs when there is one (page-cache speed), else the temp dir."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="torchrl-vllm-weights-", dir=base))  # mkdtemp: 0700
+
+
+def _key(name: str) -> str:
+    # TensorDict keys may not contain the nested-key separator used for flattening.
+    return name.replace(".", "__")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _private(path: Path) -> None:
+    for p in [path, *path.rglob("*")]:
+        os.chmod(p, 0o700 if p.is_dir() else 0o600)
+
+
+def manifest_to_json(m: SlotManifest) -> str:
+    return json.dumps(asdict(m))
+
+
+def manifest_from_json(text: str) -> SlotManifest:
+    raw = json.loads(text)
+    tensors = tuple(
+        TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), int(t["checksum"]))
+        for t in raw["tensors"]
+    )
+    return SlotManifest(version=str(raw["version"]), slot=raw["slot"], tensors=tensors)
+
+
+class SlotWriter:
+    """Trainer side of the double buffer.
+
+    Examples:
+        >>> import torch
+        >>> w = SlotWriter(default_root())
+        >>> manifest = w.write({"w": torch.ones(3)}, version="1")
+        >>> read_published(w.root)[0].version
+        '1'
+    """
+
+    def __init__(self, root: str | Path | None = None, num_threads: int = 4):
+        self.root = Path(root) if root is not None else default_root()
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        self.num_threads = num_threads
+        self._slots: dict[str, TensorDict] = {}
+        self._layout: tuple | None = None
+
+    def _published_slot(self) -> str | None:
+        try:
+            return manifest_from_json((self.root / CURRENT).read_text()).slot
+        except FileNotFoundError:
+            return None
+
+    def _slot(self, name: str, tensors: dict[str, torch.Tensor]) -> TensorDict:
+        layout = tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items())
+        if self._layout is not None and layout != self._layout:
+            raise WeightSyncError(
+                "the pushed parameters changed names, shapes or dtypes since the slots were "
+                f"allocated in {self.root}; use a new storage directory for a different model."
+            )
+        self._layout = layout
+        if name not in self._slots:
+            path = self.root / f"slot-{name}"
+            if (path / "meta.json").exists():
+                td = TensorDict.load_memmap(path, mode="r+")
+            else:
+                td = TensorDict(
+                    {_key(k): torch.empty_like(t, device="cpu") for k, t in tensors.items()}, []
+                )
+                td = td.memmap_(prefix=path, num_threads=self.num_threads)
+                _private(path)
+            self._slots[name] = td
+        return self._slots[name]
+
+    def write(self, tensors: dict[str, torch.Tensor], version: str) -> SlotManifest:
+        """Fill the idle slot with ``tensors`` and publish it as ``version``."""
+        idle = "B" if self._published_slot() == "A" else "A"
+        slot = self._slot(idle, tensors)
+        # 1) fill the idle slot in place (readers only read the published one)
+        slot.update_({_key(k): t for k, t in tensors.items()})
+        # 2) checksums of what is now in the slot
+        with ThreadPoolExecutor(self.num_threads) as pool:
+            sums = list(pool.map(lambda k: checksum(slot.get(_key(k))), tensors))
+        specs = tuple(
+            TensorSpec(k, dtype_name(t.dtype), tuple(t.shape), s)
+            for (k, t), s in zip(tensors.items(), sums, strict=True)
+        )
+        manifest = SlotManifest(version=str(version), slot=idle, tensors=specs)
+        # 3) publish atomically: write, fsync, rename over current.json
+        tmp = self.root / f".{CURRENT}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(manifest_to_json(manifest))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.root / CURRENT)
+        _fsync_dir(self.root)
+        logger.debug("published version %s in slot %s of %s", version, idle, self.root)
+        return manifest
+
+
+class SlotReader:
+    """Worker side: reads and verifies the published slot, keeping each slot mapped once.
+
+    Slots are updated in place, so a mapping stays valid across versions and the
+    page cache serves repeated loads without page faults on fresh files.
+    """
+
+    def __init__(self, root: str | Path, num_threads: int = 4):
+        self.root = Path(root)
+        self.num_threads = num_threads
+        self._maps: dict[str, TensorDict] = {}
+
+    def read(
+        self, expect_version: str | None = None
+    ) -> tuple[SlotManifest, dict[str, torch.Tensor]]:
+        """The published manifest and its tensors (views of the mapped slot), verified."""
+        manifest, _ = read_published(self.root)
+        if expect_version is not None and manifest.version != str(expect_version):
+            raise WeightSyncError(
+                f"storage {self.root} publishes version {manifest.version!r}, expected "
+                f"{expect_version!r}; a newer push overtook this one or the writer died before publishing."
+            )
+        td = self._maps.get(manifest.slot)
+        if td is None:
+            path = self.root / f"slot-{manifest.slot}"
+            if not (path / "meta.json").exists():
+                raise WeightSyncError(
+                    f"slot {manifest.slot} of {self.root} is missing; the manifest points to nothing."
+                )
+            td = TensorDict.load_memmap(path, mode="r")
+            self._maps[manifest.slot] = td
+        tensors = {}
+        for spec in manifest.tensors:
+            t = td.get(_key(spec.name), None)
+            if t is None or tuple(t.shape) != spec.shape or dtype_name(t.dtype) != spec.dtype:
+                raise WeightSyncError(
+                    f"slot {manifest.slot} (version {manifest.version}) has no tensor {spec.name!r} "
+                    f"of shape {spec.shape} and dtype {spec.dtype}; the storage directory is corrupt."
+                )
+            tensors[spec.name] = t
+        with ThreadPoolExecutor(self.num_threads) as pool:
+            sums = list(pool.map(checksum, tensors.values()))
+        for spec, s in zip(manifest.tensors, sums, strict=True):
+            if s != spec.checksum:
+                raise WeightSyncError(
+                    f"slot {manifest.slot} (version {manifest.version}): checksum mismatch for "
+                    f"{spec.name!r}; the slot was modified after publishing. Nothing was loaded."
+                )
+        return manifest, tensors
+
+
+def read_published(root: str | Path) -> tuple[SlotManifest, Path]:
+    """The manifest of the published slot (raises :class:`WeightSyncError` if there is none)."""
+    root = Path(root)
+    try:
+        text = (root / CURRENT).read_text()
+    except FileNotFoundError:
+        raise WeightSyncError(
+            f"no published weights in {root} (no {CURRENT}); push weights first."
+        ) from None
+    try:
+        manifest = manifest_from_json(text)
+    except (ValueError, KeyError, TypeError) as e:
+        raise WeightSyncError(
+            f"{root / CURRENT} is not a valid manifest ({e}); re-push the weights."
+        ) from e
+    if manifest.slot not in SLOTS:
+        raise WeightSyncError(
+            f"{root / CURRENT} names slot {manifest.slot!r}; expected one of {SLOTS}."
+        )
+    return manifest, root / f"slot-{manifest.slot}"

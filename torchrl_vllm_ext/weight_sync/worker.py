@@ -1,0 +1,205 @@
+"""vLLM worker extension: the receiving end of both transports.
+
+vLLM mixes this class into every model worker (``worker_extension_cls``); the
+replica actor calls its methods through ``collective_rpc``. Arguments and results
+are plain data (strings, ints). Every method verifies what it received before it
+touches the served weights, and loads through the model's own ``load_weights``,
+which maps Hugging Face names onto vLLM's fused and sharded parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from datetime import timedelta
+
+import torch
+
+from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.messages import BucketSpec, TensorSpec, UpdateHeader
+from torchrl_vllm_ext.weight_sync.params import checksum, torch_dtype
+from torchrl_vllm_ext.weight_sync.storage import SlotReader
+
+logger = logging.getLogger(__name__)
+
+
+def header_to_json(h: UpdateHeader) -> str:
+    from dataclasses import asdict
+
+    return json.dumps(asdict(h))
+
+
+def header_from_json(text: str) -> UpdateHeader:
+    raw = json.loads(text)
+    buckets = tuple(
+        BucketSpec(
+            dtype=b["dtype"],
+            tensors=tuple(
+                TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), int(t["checksum"]))
+                for t in b["tensors"]
+            ),
+            nbytes=int(b["nbytes"]),
+            checksum=int(b["checksum"]),
+        )
+        for b in raw["buckets"]
+    )
+    return UpdateHeader(version=str(raw["version"]), buckets=buckets)
+
+
+def unpack(bucket: BucketSpec, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views of the tensors packed end to end in ``buffer`` (uint8)."""
+    dtype = torch_dtype(bucket.dtype)
+    out, offset = [], 0
+    for spec in bucket.tensors:
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        out.append((spec.name, buffer[offset : offset + nbytes].view(dtype).view(spec.shape)))
+        offset += nbytes
+    return out
+
+
+def make_process_group(
+    backend: str, host: str, port: int, world_size: int, rank: int, timeout_s: float
+):
+    """A process group outside torch.distributed's global state (the worker has its own).
+
+    The only difference between the GPU and CPU paths is the backend class.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        host, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s)
+    )
+    if backend == "nccl":
+        pg = dist.ProcessGroupNCCL(store, rank, world_size)
+    elif backend == "gloo":
+        pg = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+    else:
+        raise WeightSyncError(
+            f"broadcast backend {backend!r} is not supported; use 'gloo' or 'nccl'."
+        )
+    return store, pg
+
+
+class WeightSyncWorkerExtension:
+    """Methods vLLM adds to its model worker (``self`` is the vLLM ``Worker``)."""
+
+    # ------------------------------------------------------------------ storage
+    def load_weights_from_storage(self, path: str, version: str | None = None) -> str:
+        """Read, verify and load the published slot of ``path``; returns the loaded version."""
+        manifest, tensors = self._tvllm_reader(path).read(version)
+        self._tvllm_load(tensors.items())
+        return manifest.version
+
+    def stage_weights_from_storage(self, path: str, version: str) -> bool:
+        """Start reading and verifying the published slot in the background (before the pause)."""
+        reader = self._tvllm_reader(path)
+        staged: dict = {}
+
+        def run():
+            try:
+                staged["result"] = reader.read(version)
+            except BaseException as e:  # reported by load_staged_weights
+                staged["error"] = e
+
+        thread = threading.Thread(target=run, name="tvllm-stage", daemon=True)
+        thread.start()
+        self._tvllm_staged = (version, thread, staged)
+        return True
+
+    def load_staged_weights(self, version: str) -> str:
+        """Finish the staged read and load it (the only part that needs the pause)."""
+        staged_version, thread, staged = getattr(self, "_tvllm_staged", (None, None, {}))
+        if staged_version != version or thread is None:
+            raise WeightSyncError(
+                f"no staged weights for version {version!r}; call stage_weights_from_storage first."
+            )
+        thread.join()
+        self._tvllm_staged = (None, None, {})
+        if "error" in staged:
+            raise staged["error"]
+        manifest, tensors = staged["result"]
+        self._tvllm_load(tensors.items())
+        return manifest.version
+
+    def _tvllm_reader(self, path: str) -> SlotReader:
+        readers = self.__dict__.setdefault("_tvllm_readers", {})
+        if path not in readers:
+            readers[path] = SlotReader(path)
+        return readers[path]
+
+    # ------------------------------------------------------------------ broadcast
+    def init_weight_broadcast(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank_offset: int,
+        backend: str,
+        timeout_s: float,
+    ) -> int:
+        """Join the trainer's broadcast group; returns this worker's rank in it."""
+        self.close_weight_broadcast()
+        rank = rank_offset + self.rank
+        self._tvllm_group = make_process_group(backend, host, port, world_size, rank, timeout_s)
+        self._tvllm_device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        return rank
+
+    def receive_weight_broadcast(self, header_json: str) -> str:
+        """Receive every bucket of one update, verify all, then load; returns the version."""
+        group = getattr(self, "_tvllm_group", None)
+        if group is None:
+            raise WeightSyncError(
+                "this worker is not in a broadcast group; call init_weight_broadcast first."
+            )
+        header = header_from_json(header_json)
+        received = []
+        for bucket in header.buckets:
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._tvllm_device)
+            group[1].broadcast(buf, 0).wait()
+            received.append((bucket, buf))
+        for i, (bucket, buf) in enumerate(received):
+            got = checksum(buf.cpu())
+            if got != bucket.checksum:
+                raise WeightSyncError(
+                    f"bucket {i} of version {header.version} arrived corrupted (checksum {got} != "
+                    f"{bucket.checksum}); nothing was loaded."
+                )
+        # One reload for all buckets: vLLM re-processes a layer once all its weights arrived.
+        self._tvllm_load(item for bucket, buf in received for item in unpack(bucket, buf))
+        return header.version
+
+    def close_weight_broadcast(self) -> bool:
+        group = getattr(self, "_tvllm_group", None)
+        self._tvllm_group = None
+        return group is not None
+
+    # ------------------------------------------------------------------ shared
+    def _tvllm_load(self, named_tensors) -> None:
+        # vLLM's in-place reload maps HF names onto fused/sharded parameters and redoes
+        # the post-load processing (CPU kernels repack their weights), layer by layer.
+        self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        _refresh_tied_lm_head(self.get_model())
+
+
+def _refresh_tied_lm_head(model) -> None:
+    """Re-derive a tied LM head's kernel weights from the reloaded embedding.
+
+    NOTE: vLLM's layerwise reload skips a tied ``lm_head`` (no checkpoint tensor of its
+    own), but on CPU its ``process_weights_after_loading`` packed a private copy of the
+    embedding for the GEMM; without this the logits keep using the old weights.
+    """
+    lm_head = getattr(model, "lm_head", None)
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is None:
+        return
+    if lm_head.weight.data_ptr() == embed.weight.data_ptr() and hasattr(lm_head, "quant_method"):
+        lm_head.quant_method.process_weights_after_loading(lm_head)
