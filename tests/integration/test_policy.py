@@ -62,7 +62,9 @@ def rows(td, key) -> list:
     value = flat.get(key, as_list=True)
     if isinstance(value, torch.Tensor):
         return list(value.unbind(0))
-    return list(value.tolist() if hasattr(value, "tolist") else value)  # strings
+    if isinstance(value, list) and all(isinstance(v, torch.Tensor) for v in value):
+        return value
+    return flat.get(key).tolist()  # strings: NonTensorData / NonTensorStack
 
 
 def check_layout(out, pad_output: bool, n_rows: int):

@@ -92,7 +92,12 @@ def test_generated_padded_layout():
     lp = td["log_probs"].full
     assert torch.isnan(lp[0, :3]).all() and not torch.isnan(lp[1, :2]).any()  # pads 0.0
     torch.testing.assert_close(td["log_probs"].response[0], torch.tensor([-0.1, -0.2, 0.0]))
-    assert td["vllm", "finish_reason"] == ["length", "length"]
+    assert td.get(("vllm", "finish_reason")).tolist() == ["length", "length"]
+    flat = convert.flatten([request([5], [[1]], version="1"), request([6], [[2]], version="2")])
+    assert convert.generated_padded(flat, PAD).get(("vllm", "weight_version")).tolist() == [
+        "1",
+        "2",
+    ]
 
 
 def test_generated_padded_prompt_logprobs_aligned_left():

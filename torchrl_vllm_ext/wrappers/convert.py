@@ -244,8 +244,15 @@ def _right_pad(arrays: Sequence[np.ndarray], lengths: np.ndarray, fill, dtype) -
     return out
 
 
-def strings(values: Sequence[str | None]) -> NonTensorStack:
-    """A NonTensorStack of ``values`` (batch ``(len(values),)``)."""
+def strings(values: Sequence[str | None]) -> NonTensorData | NonTensorStack:
+    """``values`` as non-tensor data of batch ``(len(values),)``; read with ``.tolist()``.
+
+    One shared ``NonTensorData`` when all values are equal (the usual case for versions
+    and finish reasons: a stack costs ~50 us per element).
+    """
+    first = values[0] if len(values) else None
+    if all(v == first for v in values):
+        return NonTensorData(first, batch_size=torch.Size([len(values)]))
     return NonTensorStack.from_list(list(values))
 
 

@@ -59,7 +59,7 @@ class VLLMPolicy(TensorDictModuleBase):
       in history mode.
     - Additive: ``("vllm", "weight_version")`` (str, the engine weight version the sample's
       request was admitted at) and ``("vllm", "finish_reason")`` (str, vLLM's: "stop", "length",
-      "abort").
+      "abort"). Read them with ``td.get(("vllm", "finish_reason")).tolist()``.
 
     ``pad_output=False`` returns a lazy stack whose rows hold 1-D tensors of their own length
     (read them with ``td.get(key, as_list=True)`` or ``as_padded_tensor=True``);
@@ -102,7 +102,7 @@ class VLLMPolicy(TensorDictModuleBase):
         >>> out = policy(td)  # doctest: +SKIP
         >>> [t.shape for t in out.get(("tokens", "full"), as_list=True)]  # doctest: +SKIP
         [torch.Size([11]), torch.Size([10])]
-        >>> out["vllm", "weight_version"]  # doctest: +SKIP
+        >>> out.get(("vllm", "weight_version")).tolist()  # doctest: +SKIP
         ['0', '0']
     """
 
