@@ -285,8 +285,10 @@ class VLLMService:
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "pipeline_parallel_size": self.config.pipeline_parallel_size,
         }
-        if self._res.use_gpu and self._res.num_workers > 1:
-            kwargs["distributed_executor_backend"] = "ray"
+        if self._res.num_workers > 1:
+            # GPU workers go to the placement group's bundles; on CPU they share the
+            # replica's node as processes (vLLM would pick Ray inside an actor).
+            kwargs["distributed_executor_backend"] = "ray" if self._res.use_gpu else "mp"
         if not self._res.use_gpu:
             kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES_DEFAULT
         # The receiving end of the weight-sync transports (see weight_sync/worker.py).
@@ -324,6 +326,10 @@ class VLLMService:
     def add_restart_hook(self, hook: RestartHook) -> None:
         """Register ``async hook(service, replica_id)``, run on a restarted replica before it serves."""
         self._restart_hooks.append(hook)
+
+    def remove_restart_hook(self, hook: RestartHook) -> None:
+        if hook in self._restart_hooks:
+            self._restart_hooks.remove(hook)
 
     def shutdown(self) -> None:
         """Stop every replica and release its actor and placement group. Idempotent."""

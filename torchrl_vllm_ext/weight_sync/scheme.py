@@ -249,8 +249,8 @@ class WeightSyncScheme:
     # ------------------------------------------------------------------ restarts
     async def _bring_up_to_date(self, service, rid: int) -> None:
         """Restart hook: load the current weights into a new replica before it serves."""
-        if self.version is None:
-            return
+        if self.version is None or self.version != service.weight_version:
+            return  # another scheme (or set_weight_version) produced the current version
         await asyncio.to_thread(self._lock.acquire)
         try:
             handle = service.replica_handle(rid)
@@ -272,5 +272,13 @@ class WeightSyncScheme:
             self._lock.release()
 
     def close(self) -> None:
+        """Leave the broadcast group and stop bringing restarted replicas up to date."""
+        self.service.remove_restart_hook(self._bring_up_to_date)
         self._drop_group()
         self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> WeightSyncScheme:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,167 @@
+"""Weight sync on live replicas: after every push the replicas' log-probs equal the trainer's."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from torchrl_vllm_ext import VLLMService, WeightSyncError, WeightSyncScheme
+
+from .conftest import CPUS_PER_REPLICA, ENGINE_KWARGS, hf_token_logprobs, wait_until
+
+SEQUENCE = list(range(5, 45))  # the fixed sequence every check scores
+
+
+@pytest.fixture(scope="module")
+def trainer(tiny_model):
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def original(trainer):
+    return {k: v.clone() for k, v in trainer.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def schemes(service, original):
+    storage = WeightSyncScheme(service, transport="storage")
+    broadcast = WeightSyncScheme(service, transport="broadcast")
+    yield {"storage": storage, "broadcast": broadcast}
+    broadcast.close()
+    storage.push(original, version="0")  # later tests expect the checkpoint's weights
+    storage.close()
+
+
+def perturb(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def replica_logprobs(service, ids=SEQUENCE):
+    """Score ``ids`` on every replica; {replica_id: (log-probs of ids[1:], weight version)}."""
+    n = service.num_replicas
+    data = service.generate_batch(
+        [ids] * n, {"max_tokens": 1, "prompt_logprobs": 0}, routing="round_robin"
+    )
+    assert {d.replica_id for d in data} == set(service.replica_ids)
+    return {d.replica_id: (torch.tensor(d.prompt_logprobs[1:]), d.weight_version_end) for d in data}
+
+
+def assert_replicas_match(service, model, version: str, tol: float = 1e-4) -> float:
+    ref = hf_token_logprobs(model, SEQUENCE)
+    worst = 0.0
+    for rid, (got, served) in replica_logprobs(service).items():
+        assert served == version, f"replica {rid} served version {served}, expected {version}"
+        worst = max(worst, (got - ref).abs().max().item())
+    assert worst < tol, f"max |replica - trainer| log-prob = {worst:.2e}"
+    assert set(service.weight_versions().values()) == {version}
+    return worst
+
+
+@pytest.mark.parametrize("transport", ["storage", "broadcast"])
+def test_ten_pushes_in_a_row_stay_exact(service, trainer, schemes, transport):
+    scheme = schemes[transport]
+    for i in range(10):
+        perturb(trainer, seed=100 * (transport == "broadcast") + i)
+        version = f"{transport}-{i}"
+        report = scheme.push(trainer, version=version)
+        assert report.version == version and report.transport == transport
+        assert set(report.pause_s) == set(service.replica_ids)
+        assert_replicas_match(service, trainer, version)
+    assert scheme.version == service.weight_version == version
+
+
+@pytest.mark.parametrize("transport", ["storage", "broadcast"])
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ("nan", "contains NaN or inf"),
+        ("missing", "is missing"),
+        ("shape", "has shape"),
+        ("extra", "is not in the served checkpoint"),
+    ],
+)
+def test_bad_push_changes_nothing(service, trainer, schemes, transport, bad, match):
+    scheme = schemes[transport]
+    before = service.weight_version
+    sd = {k: v.clone() for k, v in trainer.state_dict().items()}
+    if bad == "nan":
+        sd["model.layers.1.self_attn.q_proj.weight"][3, 3] = float("nan")
+    elif bad == "missing":
+        del sd["model.layers.0.mlp.down_proj.weight"]
+    elif bad == "shape":
+        sd["model.norm.weight"] = torch.ones(3)
+    else:
+        sd["model.layers.9.mlp.up_proj.weight"] = torch.ones(2, 2)
+    with pytest.raises(WeightSyncError, match=match):
+        scheme.push(sd, version="never")
+    assert_replicas_match(service, trainer, before)
+
+
+def test_auto_picks_storage_on_one_host_and_says_why(service):
+    with WeightSyncScheme(service) as scheme:
+        assert scheme.transport == "storage"
+        assert "share host" in scheme.reason
+
+
+def test_push_async_returns_a_future(service, trainer, schemes):
+    perturb(trainer, seed=999)
+    fut = schemes["storage"].push_async(trainer, version="async-1")
+    assert fut.result(timeout=120).version == "async-1"
+    assert_replicas_match(service, trainer, "async-1")
+
+
+def test_prefix_cache_never_serves_entries_from_old_weights(service, trainer, schemes):
+    # 200 tokens span a full 128-token CPU KV block, so the prefix cache holds it.
+    prompt = [(7 * i) % 500 + 3 for i in range(200)]
+    greedy = {"max_tokens": 8, "temperature": 0.0}
+    service.generate_batch([prompt] * 4, greedy, routing="round_robin")  # warm the cache
+    perturb(trainer, seed=4242)
+    schemes["storage"].push(trainer, version="cache-1")
+    for d in service.generate_batch([prompt] * 4, greedy, routing="round_robin"):
+        s = d.samples[0]
+        ref = hf_token_logprobs(trainer, prompt + s.token_ids.tolist())[len(prompt) - 1 :]
+        assert (torch.tensor(s.logprobs) - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("transport", ["storage", "broadcast"])
+def test_restarted_replica_is_brought_to_current_weights(service, trainer, schemes, transport):
+    perturb(trainer, seed=77 + len(transport))
+    version = f"before-crash-{transport}"
+    schemes[transport].push(trainer, version=version)
+    victim = service.replica_ids[0]
+    old_pid = service.replica_info(victim).pid
+    os.kill(old_pid, signal.SIGKILL)
+    wait_until(
+        lambda: victim in service.replica_ids and service.replica_info(victim).pid != old_pid,
+        timeout=300,
+        interval=1.0,
+        what="the killed replica to restart",
+    )
+    assert_replicas_match(service, trainer, version)
+    # The broadcast group is re-formed for the new member on the next push.
+    perturb(trainer, seed=5)
+    schemes[transport].push(trainer, version=f"after-crash-{transport}")
+    assert_replicas_match(service, trainer, f"after-crash-{transport}")
+
+
+def test_tensor_parallel_replica_receives_full_tensors(tiny_model, ray_cluster, trainer):
+    with VLLMService.launch(
+        tiny_model,
+        num_replicas=1,
+        tensor_parallel_size=2,
+        cpus_per_replica=CPUS_PER_REPLICA,
+        health_check_interval=0,
+        **ENGINE_KWARGS,
+    ) as tp2:
+        for transport in ("broadcast", "storage"):
+            with WeightSyncScheme(tp2, transport=transport) as scheme:
+                perturb(trainer, seed=len(transport))
+                scheme.push(trainer, version=f"tp2-{transport}")
+                assert_replicas_match(tp2, trainer, f"tp2-{transport}")
