@@ -4,8 +4,10 @@ Systems, all on the same tiny model and prompts, timed in alternating rounds:
 
 - ``raw_vllm``: in-process ``vllm.LLM.generate`` on token prompts (sampled-token log-probs on,
   as the policy returns them);
-- ``torchrl_wrapper``: TorchRL's ``vLLMWrapper`` (tokens mode, its defaults) over that ``LLM``;
-- ``service``: ``VLLMService.generate_batch`` (one replica owning the machine's cores);
+- ``torchrl_wrapper``: TorchRL's ``vLLMWrapper`` (tokens mode, its defaults: prompt log-probs
+  and detokenisation on) over that ``LLM``;
+- ``service``: ``VLLMService.generate_batch`` (one replica owning the machine's cores), with
+  the policy's parameters (no detokenisation), so the ratio isolates the policy's own cost;
 - ``policy``: ``VLLMPolicy(td)`` over that service, TorchRL layout out (``pad_output=False``).
 
 Each timed round starts after every engine went idle (vLLM's workers busy-poll for 1 s
@@ -90,8 +92,10 @@ def main(args) -> dict:
         outs = llm.generate(token_prompts, raw_params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
+    service_params = {**sampling, "detokenize": False}  # what the policy asks in tokens mode
+
     def service(_td):
-        data = svc.generate_batch(prompts, sampling)
+        data = svc.generate_batch(prompts, service_params)
         return sum(len(s.token_ids) for d in data for s in d.samples)
 
     systems = {
