@@ -50,6 +50,8 @@ class SyncReport:
     """From ``push`` to every replica serving the new version."""
     pause_s: dict[int, float] = field(default_factory=dict)
     """Per replica: how long generation was paused."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per trainer-side phase: validate, transfer (write+stage or send), apply."""
 
     @property
     def gb_per_s(self) -> float:
@@ -141,14 +143,17 @@ class WeightSyncScheme:
         start = time.perf_counter()
         tensors = validate(named_tensors(weights), self.expected)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        phases = {"validate": time.perf_counter() - start}
         with self._lock:
             if self.transport == "storage":
-                pauses = self._push_storage(tensors, version)
+                pauses = self._push_storage(tensors, version, phases)
             else:
-                pauses = self._push_broadcast(tensors, version)
+                pauses = self._push_broadcast(tensors, version, phases)
             self.version = version
             self.service.record_weight_version(version)
-        report = SyncReport(version, self.transport, nbytes, time.perf_counter() - start, pauses)
+        report = SyncReport(
+            version, self.transport, nbytes, time.perf_counter() - start, pauses, phases
+        )
         self.last_report = report
         logger.info(
             "pushed version %s via %s: %.1f MB in %.3fs (%.2f GB/s), max pause %.3fs",
@@ -175,7 +180,8 @@ class WeightSyncScheme:
         timings = ray.get(refs)
         return {rid: t["pause_s"] for (rid, _), t in zip(replicas, timings, strict=True)}
 
-    def _push_storage(self, tensors, version: str) -> dict[int, float]:
+    def _push_storage(self, tensors, version: str, phases: dict) -> dict[int, float]:
+        t0 = time.perf_counter()
         self._writer.write(tensors, version)
         root = str(self._writer.root)
         replicas = self._replicas()
@@ -186,9 +192,13 @@ class WeightSyncScheme:
                 for _, h in replicas
             ]
         )
-        return self._apply(replicas, "load_staged_weights", (version,), version)
+        t1 = time.perf_counter()
+        pauses = self._apply(replicas, "load_staged_weights", (version,), version)
+        phases.update(transfer=t1 - t0, apply=time.perf_counter() - t1)
+        return pauses
 
-    def _push_broadcast(self, tensors, version: str) -> dict[int, float]:
+    def _push_broadcast(self, tensors, version: str, phases: dict) -> dict[int, float]:
+        t0 = time.perf_counter()
         header, buffers = pack(tensors, version, self.bucket_bytes)
         replicas = self._replicas()
         self._ensure_group(replicas)
@@ -205,7 +215,9 @@ class WeightSyncScheme:
             raise WeightSyncError(
                 f"broadcast of version {version} failed: {e}; replicas keep their weights."
             ) from e
+        t1 = time.perf_counter()
         timings = ray.get(refs)
+        phases.update(transfer=t1 - t0, apply=time.perf_counter() - t1)
         self._last_update = (header_to_json(header), buffers)
         return {rid: t["pause_s"] for (rid, _), t in zip(replicas, timings, strict=True)}
 

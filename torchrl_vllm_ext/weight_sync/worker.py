@@ -152,8 +152,11 @@ class WeightSyncWorkerExtension:
         )
         return rank
 
-    def receive_weight_broadcast(self, header_json: str) -> str:
-        """Receive every bucket of one update, verify all, then load; returns the version."""
+    def receive_weight_broadcast(self, header_json: str, load: bool = True) -> str:
+        """Receive every bucket of one update, verify all, then load; returns the version.
+
+        ``load=False`` only receives and verifies (benchmarks time the wire pattern alone).
+        """
         group = getattr(self, "_tvllm_group", None)
         if group is None:
             raise WeightSyncError(
@@ -172,8 +175,9 @@ class WeightSyncWorkerExtension:
                     f"bucket {i} of version {header.version} arrived corrupted (checksum {got} != "
                     f"{bucket.checksum}); nothing was loaded."
                 )
-        # One reload for all buckets: vLLM re-processes a layer once all its weights arrived.
-        self._tvllm_load(item for bucket, buf in received for item in unpack(bucket, buf))
+        if load:
+            # One reload for all buckets: vLLM re-processes a layer once all its weights arrived.
+            self._tvllm_load(item for bucket, buf in received for item in unpack(bucket, buf))
         return header.version
 
     def close_weight_broadcast(self) -> bool:

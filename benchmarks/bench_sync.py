@@ -1,0 +1,155 @@
+"""Weight-sync figures for both transports against three baselines, in one run.
+
+Model: a random Qwen2 of ~350 MB fp32 with ~290 tensors, served by two replicas.
+
+* storage / broadcast: time from ``push`` to every replica serving the new version,
+  GB/s, and the longest generation pause;
+* (a) memcpy bandwidth of the same bytes (``torch`` copy into a preallocated buffer);
+* (b) one RPC plus one broadcast per parameter, the pattern of TorchRL's older updater
+  (receive and verify only, no load: the baseline is spared the model load we pay);
+* (c) ``torch.save`` + ``torch.load`` of the state dict through tmpfs.
+
+    python benchmarks/bench_sync.py [--repeats 5]
+
+Prints one JSON object. Targets: storage_vs_memcpy >= 0.25, broadcast_vs_per_param >= 10,
+storage pause <= half its push time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
+    """One header RPC to every replica plus one broadcast, per parameter."""
+    import ray
+
+    from torchrl_vllm_ext.weight_sync.broadcast import pack
+    from torchrl_vllm_ext.weight_sync.worker import header_to_json
+
+    replicas = scheme._replicas()
+    scheme._ensure_group(replicas)
+    for name, t in tensors.items():
+        header, buffers = pack({name: t}, "per-param")
+        refs = [
+            h.collective_rpc.remote("receive_weight_broadcast", (header_to_json(header), False))
+            for _, h in replicas
+        ]
+        scheme._group.send(buffers)
+        ray.get(refs)
+
+
+def main(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from torchrl_vllm_ext import VLLMService, WeightSyncScheme
+    from torchrl_vllm_ext.testing import make_tiny_model
+    from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
+
+    model_dir = make_tiny_model(hidden_size=args.hidden, num_layers=args.layers, seed=0)
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tensors = validate(named_tensors(trainer), expected_specs(model_dir))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+
+    # (a) memcpy
+    flat = torch.cat([t.view(-1) for t in tensors.values()])
+    dst = torch.empty_like(flat)
+    dst.copy_(flat)
+    memcpy_s = median_time(lambda: dst.copy_(flat), args.repeats)
+    # (c) torch.save + torch.load through tmpfs
+    tmpdir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=tmpdir) as d:
+        path = os.path.join(d, "sd.pt")
+        save_load_s = median_time(
+            lambda: (torch.save(tensors, path), torch.load(path)), args.repeats
+        )
+
+    results: dict = {}
+    with VLLMService.launch(
+        model_dir,
+        num_replicas=args.replicas,
+        cpus_per_replica=1.0,
+        dtype="float32",
+        max_model_len=256,
+        enforce_eager=True,
+        health_check_interval=0,
+    ) as svc:
+        for transport in ("storage", "broadcast"):
+            with WeightSyncScheme(svc, transport=transport) as scheme:
+                scheme.push(trainer, version=f"{transport}-warm")  # allocate slots / form the group
+                reports = [
+                    scheme.push(trainer, version=f"{transport}-{i}") for i in range(args.repeats)
+                ]
+                push_s = statistics.median(r.seconds for r in reports)
+                pause_s = statistics.median(max(r.pause_s.values()) for r in reports)
+                phases = {
+                    k: round(statistics.median(r.phases[k] for r in reports), 3)
+                    for k in reports[0].phases
+                }
+                results[transport] = {
+                    "push_s": push_s,
+                    "pause_s": pause_s,
+                    "gb_per_s": nbytes / push_s / 1e9,
+                    "phases": phases,
+                }
+                if transport == "broadcast":
+                    per_param_pattern(scheme, tensors)  # warm-up
+                    results["per_param_s"] = median_time(
+                        lambda s=scheme: per_param_pattern(s, tensors), max(1, args.repeats // 2)
+                    )
+
+    memcpy_gbps = nbytes / memcpy_s / 1e9
+    return {
+        "benchmark": "weight_sync",
+        "model_mb": round(nbytes / 1e6, 1),
+        "tensors": len(tensors),
+        "replicas": args.replicas,
+        "memcpy_gb_per_s": round(memcpy_gbps, 2),
+        "torch_save_load_s": round(save_load_s, 3),
+        "torch_save_load_gb_per_s": round(nbytes / save_load_s / 1e9, 2),
+        "per_param_rpc_broadcast_s": round(results["per_param_s"], 3),
+        "storage_push_s": round(results["storage"]["push_s"], 3),
+        "storage_gb_per_s": round(results["storage"]["gb_per_s"], 2),
+        "storage_pause_s": round(results["storage"]["pause_s"], 3),
+        "broadcast_push_s": round(results["broadcast"]["push_s"], 3),
+        "broadcast_gb_per_s": round(results["broadcast"]["gb_per_s"], 2),
+        "broadcast_pause_s": round(results["broadcast"]["pause_s"], 3),
+        "storage_vs_memcpy": round(results["storage"]["gb_per_s"] / memcpy_gbps, 3),
+        "broadcast_vs_per_param": round(results["per_param_s"] / results["broadcast"]["push_s"], 2),
+        "storage_pause_over_push": round(
+            results["storage"]["pause_s"] / results["storage"]["push_s"], 3
+        ),
+        "storage_vs_torch_save_load": round(save_load_s / results["storage"]["push_s"], 2),
+        "storage_phases_s": results["storage"]["phases"],
+        "broadcast_phases_s": results["broadcast"]["phases"],
+    }
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=640)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    logging.basicConfig(level=logging.WARNING)
+    print(json.dumps(main(parser.parse_args()), indent=2))
