@@ -15,8 +15,8 @@ from torchrl_vllm_ext.errors import (
     WeightSyncError,
 )
 from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestData, SampleData
-from torchrl_vllm_ext.wrappers import VLLMPolicy
 from torchrl_vllm_ext.weight_sync.scheme import SyncReport, WeightSyncScheme
+from torchrl_vllm_ext.wrappers import VLLMPolicy
 
 __all__ = [
     "ConfigurationError",
