@@ -1,42 +1,51 @@
-"""torchrl_vllm_ext: vLLM as the rollout engine of TorchRL."""
+"""torchrl_vllm_ext: vLLM as the rollout engine of TorchRL.
 
-from torchrl_vllm_ext.engine.service import ServiceConfig, VLLMService
-from torchrl_vllm_ext.errors import (
-    ConfigurationError,
-    GenerationTimeoutError,
-    InsufficientResourcesError,
-    InvalidRequestError,
-    NoHealthyReplicaError,
-    ReplicaDeadError,
-    ReplicaStartupError,
-    ServiceClosedError,
-    TorchRLVLLMError,
-    UnknownRoutingStrategyError,
-    WeightSyncError,
-)
-from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestData, SampleData
-from torchrl_vllm_ext.weight_sync.scheme import SyncReport, WeightSyncScheme
-from torchrl_vllm_ext.wrappers import VLLMPolicy
+The public API is re-exported here and imported lazily (PEP 562): replica and vLLM
+worker processes import submodules of this package, and must not pay for TorchRL.
+"""
 
-__all__ = [
-    "ConfigurationError",
-    "GenerationTimeoutError",
-    "InsufficientResourcesError",
-    "InvalidRequestError",
-    "NoHealthyReplicaError",
-    "ReplicaDeadError",
-    "ReplicaInfo",
-    "ReplicaStartupError",
-    "ReplicaStats",
-    "RequestData",
-    "SampleData",
-    "ServiceClosedError",
-    "ServiceConfig",
-    "SyncReport",
-    "TorchRLVLLMError",
-    "UnknownRoutingStrategyError",
-    "VLLMPolicy",
-    "VLLMService",
-    "WeightSyncError",
-    "WeightSyncScheme",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "VLLMService": "torchrl_vllm_ext.engine.service",
+    "ServiceConfig": "torchrl_vllm_ext.engine.service",
+    "VLLMPolicy": "torchrl_vllm_ext.wrappers",
+    "WeightSyncScheme": "torchrl_vllm_ext.weight_sync.scheme",
+    "SyncReport": "torchrl_vllm_ext.weight_sync.scheme",
+    "ReplicaInfo": "torchrl_vllm_ext.messages",
+    "ReplicaStats": "torchrl_vllm_ext.messages",
+    "RequestData": "torchrl_vllm_ext.messages",
+    "SampleData": "torchrl_vllm_ext.messages",
+    **{
+        name: "torchrl_vllm_ext.errors"
+        for name in (
+            "ConfigurationError",
+            "GenerationTimeoutError",
+            "InsufficientResourcesError",
+            "InvalidRequestError",
+            "NoHealthyReplicaError",
+            "ReplicaDeadError",
+            "ReplicaStartupError",
+            "ServiceClosedError",
+            "TorchRLVLLMError",
+            "UnknownRoutingStrategyError",
+            "WeightSyncError",
+        )
+    },
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'torchrl_vllm_ext' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__
