@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from torchrl_vllm_ext._compat import ENGINE_ENV_DEFAULTS
+from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT, ENGINE_ENV_DEFAULTS
 from torchrl_vllm_ext.errors import InsufficientResourcesError
 
 logger = logging.getLogger(__name__)
@@ -112,3 +115,53 @@ async def reserve(res: ReplicaResources, name: str, timeout: float) -> Placement
 def release(pg: PlacementGroup | None) -> None:
     if pg is not None:
         remove_placement_group(pg)
+
+
+WORKER_EXTENSION = "torchrl_vllm_ext.weight_sync.worker.WeightSyncWorkerExtension"
+
+
+def actor_options(res: ReplicaResources, name: str, pg: PlacementGroup) -> dict[str, Any]:
+    """Ray options of a replica actor placed in bundle 0 of its group."""
+    options: dict[str, Any] = {
+        "name": name,
+        "max_restarts": 0,
+        "max_concurrency": 100_000,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+        ),
+    }
+    if res.use_gpu:
+        # A single-GPU engine runs in the actor; a TP/PP engine runs Ray workers
+        # in the group's bundles, so the actor itself holds no GPU.
+        options.update(num_cpus=0, num_gpus=1 if res.num_workers == 1 else 0)
+    else:
+        options.update(num_cpus=res.cpus)
+    return options
+
+
+def omp_threads(res: ReplicaResources) -> int | None:
+    """Threads of a CPU replica's model worker: None (vLLM's default) when it owns its node."""
+    if res.use_gpu:
+        return None
+    node_cpus = max(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
+    if res.cpus >= node_cpus:
+        return None
+    return max(1, math.floor(res.cpus))
+
+
+def engine_kwargs(res: ReplicaResources, config) -> dict[str, Any]:
+    """``AsyncEngineArgs`` of a replica: parallelism and placement defaults, then the user's."""
+    kwargs: dict[str, Any] = {
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "pipeline_parallel_size": config.pipeline_parallel_size,
+    }
+    if res.num_workers > 1:
+        # GPU workers go to the placement group's bundles; on CPU they share the
+        # replica's node as processes (vLLM would pick Ray inside an actor).
+        kwargs["distributed_executor_backend"] = "ray" if res.use_gpu else "mp"
+    if not res.use_gpu:
+        kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES_DEFAULT
+    # The receiving end of the weight-sync transports (see weight_sync/worker.py).
+    kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    kwargs.update(config.engine_kwargs)
+    return kwargs

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,10 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from tqdm.auto import tqdm
 
-from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT
 from torchrl_vllm_ext.engine import cluster
 from torchrl_vllm_ext.engine.loop import LoopThread
 from torchrl_vllm_ext.engine.outputs import to_request_output
@@ -50,7 +47,6 @@ from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestData
 logger = logging.getLogger(__name__)
 
 DEFAULT_ROUTING = ("prefix", "least_outstanding")
-WORKER_EXTENSION = "torchrl_vllm_ext.weight_sync.worker.WeightSyncWorkerExtension"
 _DEATH_ERRORS = (
     ray.exceptions.RayActorError,
     ray.exceptions.ActorUnavailableError,
@@ -253,49 +249,6 @@ class VLLMService:
             raise
         return ids
 
-    def _actor_options(self, name: str, pg) -> dict:
-        res = self._res
-        options: dict[str, Any] = {
-            "name": name,
-            "max_restarts": 0,
-            "max_concurrency": 100_000,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
-            ),
-        }
-        if res.use_gpu:
-            # A single-GPU engine runs in the actor; a TP/PP engine runs Ray workers
-            # in the group's bundles, so the actor itself holds no GPU.
-            options.update(num_cpus=0, num_gpus=1 if res.num_workers == 1 else 0)
-        else:
-            options.update(num_cpus=res.cpus)
-        return options
-
-    def _omp_threads(self) -> int | None:
-        """Threads of a CPU replica's model worker: None (vLLM's default) when it owns its node."""
-        if self._res.use_gpu:
-            return None
-        node_cpus = max(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
-        if self._res.cpus >= node_cpus:
-            return None
-        return max(1, math.floor(self._res.cpus))
-
-    def _engine_kwargs(self) -> dict:
-        kwargs = {
-            "tensor_parallel_size": self.config.tensor_parallel_size,
-            "pipeline_parallel_size": self.config.pipeline_parallel_size,
-        }
-        if self._res.num_workers > 1:
-            # GPU workers go to the placement group's bundles; on CPU they share the
-            # replica's node as processes (vLLM would pick Ray inside an actor).
-            kwargs["distributed_executor_backend"] = "ray" if self._res.use_gpu else "mp"
-        if not self._res.use_gpu:
-            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES_DEFAULT
-        # The receiving end of the weight-sync transports (see weight_sync/worker.py).
-        kwargs["worker_extension_cls"] = WORKER_EXTENSION
-        kwargs.update(self.config.engine_kwargs)
-        return kwargs
-
     async def _start_replica(self, rid: int, restart: bool = False) -> None:
         name = f"{self.name}-r{rid}-{uuid.uuid4().hex[:4]}"
         pg = await cluster.reserve(self._res, name, timeout=60.0)
@@ -304,13 +257,13 @@ class VLLMService:
         self._replicas[rid] = rep  # registered first, so shutdown() finds it whatever happens
         rep.actor = (
             ray.remote(VLLMReplica)
-            .options(**self._actor_options(name, pg))
+            .options(**cluster.actor_options(self._res, name, pg))
             .remote(
                 rid,
                 self.config.model,
-                self._engine_kwargs(),
+                cluster.engine_kwargs(self._res, self.config),
                 self._weight_version,
-                self._omp_threads(),
+                cluster.omp_threads(self._res),
             )
         )
         rep.info = await asyncio.wait_for(rep.actor.start.remote(), self.config.startup_timeout)
