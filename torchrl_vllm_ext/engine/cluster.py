@@ -50,8 +50,15 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> boo
 
 def _engine_env() -> dict[str, str]:
     env = dict(ENGINE_ENV_DEFAULTS)
-    # Forward the user's vLLM settings to the replicas.
-    env.update({k: v for k, v in os.environ.items() if k.startswith("VLLM_")})
+    # Forward the user's vLLM settings to the replicas; the in-process switch only applies
+    # to the caller's own vllm.LLM (AsyncLLM replicas always run a separate engine core).
+    env.update(
+        {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith("VLLM_") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"
+        }
+    )
     return env
 
 

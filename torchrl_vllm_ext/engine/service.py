@@ -599,6 +599,16 @@ class VLLMService:
         return self._replicas[replica_id].info
 
     @property
+    def max_token_id(self) -> int | None:
+        """Largest token id the engines accept (None before the first replica started)."""
+        return self._limits.max_token_id if self._limits else None
+
+    @property
+    def max_model_len(self) -> int | None:
+        """Longest prompt + completion the engines accept (None before the first replica started)."""
+        return self._limits.max_model_len if self._limits else None
+
+    @property
     def uses_gpu(self) -> bool:
         """Whether the replicas run on GPUs."""
         return bool(self._res and self._res.use_gpu)

@@ -32,7 +32,12 @@ def normalize_prompts(prompt_token_ids: Any) -> list[np.ndarray]:
                 f"prompt {i} is a string ({p[:30]!r}); the service takes token ids. "
                 "Tokenize first, or use VLLMPolicy with text input."
             )
-        arr = np.asarray(p.tolist() if hasattr(p, "tolist") else p)
+        if isinstance(p, np.ndarray):
+            arr = p
+        elif hasattr(p, "numpy") and hasattr(p, "dim"):  # a torch tensor: share its memory
+            arr = p.detach().cpu().numpy()
+        else:
+            arr = np.asarray(p)
         if arr.ndim != 1:
             raise InvalidRequestError(
                 f"prompt {i} has shape {arr.shape}; each prompt must be a 1-D sequence of token ids."

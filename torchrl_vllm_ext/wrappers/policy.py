@@ -305,9 +305,7 @@ class VLLMPolicy(TensorDictModuleBase):
 
     def _vocab_max(self) -> int | None:
         if self._max_token_id is None:
-            ids = self.service.replica_ids
-            if ids:
-                self._max_token_id = self.service.replica_info(ids[0]).max_token_id
+            self._max_token_id = self.service.max_token_id
         return self._max_token_id
 
     def _params(self, td: TensorDictBase, overrides: Mapping[str, Any], n: int):
