@@ -14,6 +14,8 @@ _EXPORTS = {
     "VLLMPolicy": "torchrl_vllm_ext.wrappers",
     "WeightSyncScheme": "torchrl_vllm_ext.weight_sync.scheme",
     "SyncReport": "torchrl_vllm_ext.weight_sync.scheme",
+    "WeightSyncUpdater": "torchrl_vllm_ext.collectors",
+    "TokenCopyEnv": "torchrl_vllm_ext.envs",
     "ReplicaInfo": "torchrl_vllm_ext.messages",
     "ReplicaStats": "torchrl_vllm_ext.messages",
     "RequestData": "torchrl_vllm_ext.messages",
