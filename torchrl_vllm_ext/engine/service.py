@@ -122,6 +122,7 @@ class VLLMService:
         self._router_state = RouterState()
         self._routing = validate_strategies(config.routing)
         self._weight_version = str(config.weight_version)
+        self.weight_source: object = None  # the scheme whose push is live, if any
         self._restart_hooks: list[RestartHook] = []
         self._tasks: set[asyncio.Task] = set()
         self._owns_ray = False
@@ -638,11 +639,14 @@ class VLLMService:
     def set_weight_version(self, version: str | int) -> None:
         """Label every replica's weights with ``version`` (restarted replicas get it too)."""
         self._weight_version = str(version)
+        self.weight_source = None
         self._run(self._broadcast("set_weight_version", str(version)))
 
-    def record_weight_version(self, version: str | int) -> None:
-        """Note the version the replicas now serve (weight-sync schemes call this after a push)."""
+    def record_weight_version(self, version: str | int, source: object = None) -> None:
+        """Note the version the replicas now serve and who pushed it (weight-sync schemes
+        call this after a push; ``weight_source`` tells restart hooks whose weights are live)."""
         self._weight_version = str(version)
+        self.weight_source = source
 
     def weight_versions(self) -> dict[int, str]:
         versions = self._run(self._broadcast("get_weight_version"))

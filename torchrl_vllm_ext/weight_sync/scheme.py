@@ -150,7 +150,7 @@ class WeightSyncScheme:
             else:
                 pauses = self._push_broadcast(tensors, version, phases)
             self.version = version
-            self.service.record_weight_version(version)
+            self.service.record_weight_version(version, source=self)
         report = SyncReport(
             version, self.transport, nbytes, time.perf_counter() - start, pauses, phases
         )
@@ -261,8 +261,8 @@ class WeightSyncScheme:
     # ------------------------------------------------------------------ restarts
     async def _bring_up_to_date(self, service, rid: int) -> None:
         """Restart hook: load the current weights into a new replica before it serves."""
-        if self.version is None or self.version != service.weight_version:
-            return  # another scheme (or set_weight_version) produced the current version
+        if self.version is None or service.weight_source is not self:
+            return  # another scheme (or set_weight_version) produced the live weights
         await asyncio.to_thread(self._lock.acquire)
         try:
             handle = service.replica_handle(rid)

@@ -57,7 +57,7 @@ def read_tokens(
         return _from_ragged(td, key, value, n)
     _check_int(value, key)
     tokens = value.reshape(n, value.shape[-1]) if value.ndim else value.reshape(1, 1)
-    mask = td.get(mask_key, None) if mask_key is not None else None
+    mask = _matching_mask(td, mask_key, value.shape)
     if mask is None:
         if pad_token_id is not None and bool((tokens == pad_token_id).any()):
             raise InvalidRequestError(
@@ -67,15 +67,28 @@ def read_tokens(
                 "pass ragged tokens (a lazy stack or a nested tensor) instead."
             )
         return list(tokens.numpy().astype(np.int64, copy=False))
-    if mask.shape != value.shape:
-        raise InvalidRequestError(
-            f"the attention mask {key_str(mask_key)} has shape {tuple(mask.shape)} but the tokens "
-            f"{key_str(key)} have shape {tuple(value.shape)}; they must match (True = real token)."
-        )
     mask = mask.reshape(tokens.shape).bool()
     lengths = mask.sum(-1).tolist()
     flat = tokens[mask].numpy().astype(np.int64, copy=False)
     return np.split(flat, np.cumsum(lengths)[:-1])
+
+
+def _matching_mask(td: TensorDictBase, mask_key: NestedKey | None, shape) -> torch.Tensor | None:
+    """The mask under ``mask_key`` if it is shaped like the tokens, else None.
+
+    TorchRL's ``all_attention_mask`` describes ``tokens.full``; after a step, collectors
+    carry the previous step's mask (prompt + response, possibly ragged) into the next
+    reset, where it does not describe the new prompt. Such a mask is not this input's.
+    """
+    if mask_key is None:
+        return None
+    try:
+        mask = td.get(mask_key, None)
+    except RuntimeError:  # ragged rows: a previous step's mask, not one for these tokens
+        return None
+    if mask is None or mask.shape != shape:
+        return None
+    return mask
 
 
 def _from_ragged(td, key, value, n) -> list[np.ndarray]:
