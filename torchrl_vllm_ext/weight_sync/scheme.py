@@ -173,6 +173,16 @@ class WeightSyncScheme:
     def _replicas(self) -> list[tuple[int, object]]:
         return [(rid, self.service.replica_handle(rid)) for rid in self.service.replica_ids]
 
+    @staticmethod
+    def _on_all(replicas, method: str, args: tuple) -> list:
+        """Call a worker-extension method on every worker of every replica."""
+        try:
+            return ray.get([h.collective_rpc.remote(method, args) for _, h in replicas])
+        except ray.exceptions.RayTaskError as e:
+            raise WeightSyncError(
+                f"{method} failed on a replica before any weight was touched: {e}"
+            ) from e
+
     def _apply(self, replicas, method: str, args: tuple, version: str) -> dict[int, float]:
         refs = [
             h.update_weights.remote(method, args, version, self.pause_mode) for _, h in replicas
@@ -186,12 +196,9 @@ class WeightSyncScheme:
         root = str(self._writer.root)
         replicas = self._replicas()
         # Read and verify the new slot while still generating; only the load pauses.
-        ray.get(
-            [
-                h.collective_rpc.remote("stage_weights_from_storage", (root, version))
-                for _, h in replicas
-            ]
-        )
+        self._on_all(replicas, "stage_weights_from_storage", (root, version))
+        while not all(all(r) for r in self._on_all(replicas, "staged_weights_ready", (version,))):
+            time.sleep(0.005)
         t1 = time.perf_counter()
         pauses = self._apply(replicas, "load_staged_weights", (version,), version)
         phases.update(transfer=t1 - t0, apply=time.perf_counter() - t1)

@@ -110,6 +110,20 @@ class WeightSyncWorkerExtension:
         self._tvllm_staged = (version, thread, staged)
         return True
 
+    def staged_weights_ready(self, version: str) -> bool:
+        """Whether the staged read of ``version`` finished; raises if it failed (bad slot)."""
+        staged_version, thread, staged = getattr(self, "_tvllm_staged", (None, None, {}))
+        if staged_version != version or thread is None:
+            raise WeightSyncError(
+                f"no staged weights for version {version!r}; call stage_weights_from_storage first."
+            )
+        if thread.is_alive():
+            return False
+        if "error" in staged:
+            self._tvllm_staged = (None, None, {})
+            raise staged["error"]
+        return True
+
     def load_staged_weights(self, version: str) -> str:
         """Finish the staged read and load it (the only part that needs the pause)."""
         staged_version, thread, staged = getattr(self, "_tvllm_staged", (None, None, {}))
