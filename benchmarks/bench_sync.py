@@ -3,7 +3,8 @@
 Model: a random Qwen2 of ~350 MB fp32 with ~290 tensors, served by two replicas.
 
 * storage / broadcast: time from ``push`` to every replica serving the new version,
-  GB/s, and the longest generation pause;
+  GB/s, and the longest generation pause (storage also with ``rollout="rolling"``: one
+  replica at a time, so the others keep serving);
 * (a) memcpy bandwidth of the same bytes (``torch`` copy into a preallocated buffer);
 * (b) one RPC plus one broadcast per parameter, the pattern of TorchRL's older updater
   (receive and verify only, no load: the baseline is spared the model load we pay);
@@ -29,6 +30,13 @@ import torch
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+RUNS = (  # (name, transport, rollout)
+    ("storage", "storage", "parallel"),
+    ("storage_rolling", "storage", "rolling"),
+    ("broadcast", "broadcast", "parallel"),
+)
 
 
 def median_time(fn, repeats: int) -> float:
@@ -94,25 +102,23 @@ def main(args) -> dict:
         enforce_eager=True,
         health_check_interval=0,
     ) as svc:
-        for transport in ("storage", "broadcast"):
-            with WeightSyncScheme(svc, transport=transport) as scheme:
-                scheme.push(trainer, version=f"{transport}-warm")  # allocate slots / form the group
-                reports = [
-                    scheme.push(trainer, version=f"{transport}-{i}") for i in range(args.repeats)
-                ]
+        for name, transport, rollout in RUNS:
+            with WeightSyncScheme(svc, transport=transport, rollout=rollout) as scheme:
+                scheme.push(trainer, version=f"{name}-warm")  # allocate slots / form the group
+                reports = [scheme.push(trainer, version=f"{name}-{i}") for i in range(args.repeats)]
                 push_s = statistics.median(r.seconds for r in reports)
                 pause_s = statistics.median(max(r.pause_s.values()) for r in reports)
                 phases = {
                     k: round(statistics.median(r.phases[k] for r in reports), 3)
                     for k in reports[0].phases
                 }
-                results[transport] = {
+                results[name] = {
                     "push_s": push_s,
                     "pause_s": pause_s,
                     "gb_per_s": nbytes / push_s / 1e9,
                     "phases": phases,
                 }
-                if transport == "broadcast":
+                if name == "broadcast":
                     per_param_pattern(scheme, tensors)  # warm-up
                     results["per_param_s"] = median_time(
                         lambda s=scheme: per_param_pattern(s, tensors), max(1, args.repeats // 2)
@@ -131,6 +137,11 @@ def main(args) -> dict:
         "storage_push_s": round(results["storage"]["push_s"], 3),
         "storage_gb_per_s": round(results["storage"]["gb_per_s"], 2),
         "storage_pause_s": round(results["storage"]["pause_s"], 3),
+        "storage_rolling_push_s": round(results["storage_rolling"]["push_s"], 3),
+        "storage_rolling_pause_s": round(results["storage_rolling"]["pause_s"], 3),
+        "storage_rolling_pause_over_push": round(
+            results["storage_rolling"]["pause_s"] / results["storage_rolling"]["push_s"], 3
+        ),
         "broadcast_push_s": round(results["broadcast"]["push_s"], 3),
         "broadcast_gb_per_s": round(results["broadcast"]["gb_per_s"], 2),
         "broadcast_pause_s": round(results["broadcast"]["pause_s"], 3),

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from torchrl_vllm_ext import VLLMService, WeightSyncError, WeightSyncScheme
+from torchrl_vllm_ext import ConfigurationError, VLLMService, WeightSyncError, WeightSyncScheme
 
 from .conftest import CPUS_PER_REPLICA, ENGINE_KWARGS, hf_token_logprobs, wait_until
 
@@ -102,6 +102,17 @@ def test_bad_push_changes_nothing(service, trainer, schemes, transport, bad, mat
     with pytest.raises(WeightSyncError, match=match):
         scheme.push(sd, version="never")
     assert_replicas_match(service, trainer, before)
+
+
+def test_rolling_storage_rollout_updates_one_replica_at_a_time(service, trainer, schemes):
+    with WeightSyncScheme(service, transport="storage", rollout="rolling") as rolling:
+        for i in range(3):
+            perturb(trainer, seed=300 + i)
+            report = rolling.push(trainer, version=f"rolling-{i}")
+            assert set(report.pause_s) == set(service.replica_ids)
+            assert_replicas_match(service, trainer, f"rolling-{i}")
+    with pytest.raises(ConfigurationError, match="rolling"):
+        WeightSyncScheme(service, transport="broadcast", rollout="rolling")
 
 
 def test_auto_picks_storage_on_one_host_and_says_why(service):

@@ -34,6 +34,7 @@ from torchrl_vllm_ext.weight_sync.worker import header_to_json
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "broadcast", "storage")
+ROLLOUTS = ("parallel", "rolling")
 
 
 @dataclass
@@ -90,6 +91,9 @@ class WeightSyncScheme:
         bucket_bytes: broadcast bucket size.
         pause_mode: how replicas pause during the load: ``abort``, ``wait`` or ``keep``.
         timeout_s: collective timeout of the broadcast group.
+        rollout: ``"parallel"`` loads every replica at once (shortest push);
+            ``"rolling"`` (storage only) loads one replica at a time, so the others keep
+            serving and each pause is shorter on machines the replicas share.
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
@@ -106,13 +110,22 @@ class WeightSyncScheme:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         pause_mode: str = "abort",
         timeout_s: float = 300.0,
+        rollout: str = "parallel",
     ):
+        if rollout not in ROLLOUTS:
+            raise ConfigurationError(f"rollout={rollout!r} is not one of {ROLLOUTS}.")
         if pause_mode not in PAUSE_MODES:
             raise ConfigurationError(f"pause_mode={pause_mode!r} is not one of {PAUSE_MODES}.")
         self.service = service
         self.transport, self.reason = choose_transport(service, transport, storage_dir)
+        if rollout == "rolling" and self.transport == "broadcast":
+            raise ConfigurationError(
+                "rollout='rolling' needs the storage transport: a broadcast reaches every replica "
+                "in one collective. Use rollout='parallel' or transport='storage'."
+            )
         self.backend = "nccl" if torch.cuda.is_available() and service.uses_gpu else "gloo"
         self.pause_mode = pause_mode
+        self.rollout = rollout
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.expected = expected_specs(service.config.model)
@@ -184,11 +197,14 @@ class WeightSyncScheme:
             ) from e
 
     def _apply(self, replicas, method: str, args: tuple, version: str) -> dict[int, float]:
-        refs = [
-            h.update_weights.remote(method, args, version, self.pause_mode) for _, h in replicas
+        call = [
+            (rid, h.update_weights, (method, args, version, self.pause_mode)) for rid, h in replicas
         ]
-        timings = ray.get(refs)
-        return {rid: t["pause_s"] for (rid, _), t in zip(replicas, timings, strict=True)}
+        if self.rollout == "rolling":
+            timings = [ray.get(fn.remote(*a)) for _, fn, a in call]
+        else:
+            timings = ray.get([fn.remote(*a) for _, fn, a in call])
+        return {rid: t["pause_s"] for (rid, _, _), t in zip(call, timings, strict=True)}
 
     def _push_storage(self, tensors, version: str, phases: dict) -> dict[int, float]:
         t0 = time.perf_counter()
@@ -292,6 +308,12 @@ class WeightSyncScheme:
 
     def close(self) -> None:
         """Leave the broadcast group and stop bringing restarted replicas up to date."""
+        if self.service.weight_source is self:
+            logger.warning(
+                "closing the weight-sync scheme whose version %s is live: a replica restarted "
+                "from now on serves the checkpoint's weights until the next push",
+                self.version,
+            )
         self.service.remove_restart_hook(self._bring_up_to_date)
         self._drop_group()
         self._pool.shutdown(wait=True)
