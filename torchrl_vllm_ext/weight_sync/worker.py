@@ -112,11 +112,7 @@ class WeightSyncWorkerExtension:
 
     def staged_weights_ready(self, version: str) -> bool:
         """Whether the staged read of ``version`` finished; raises if it failed (bad slot)."""
-        staged_version, thread, staged = getattr(self, "_tvllm_staged", (None, None, {}))
-        if staged_version != version or thread is None:
-            raise WeightSyncError(
-                f"no staged weights for version {version!r}; call stage_weights_from_storage first."
-            )
+        thread, staged = self._tvllm_staged_for(version)
         if thread.is_alive():
             return False
         if "error" in staged:
@@ -126,11 +122,7 @@ class WeightSyncWorkerExtension:
 
     def load_staged_weights(self, version: str) -> str:
         """Finish the staged read and load it (the only part that needs the pause)."""
-        staged_version, thread, staged = getattr(self, "_tvllm_staged", (None, None, {}))
-        if staged_version != version or thread is None:
-            raise WeightSyncError(
-                f"no staged weights for version {version!r}; call stage_weights_from_storage first."
-            )
+        thread, staged = self._tvllm_staged_for(version)
         thread.join()
         self._tvllm_staged = (None, None, {})
         if "error" in staged:
@@ -138,6 +130,14 @@ class WeightSyncWorkerExtension:
         manifest, tensors = staged["result"]
         self._tvllm_load(tensors.items())
         return manifest.version
+
+    def _tvllm_staged_for(self, version: str):
+        staged_version, thread, staged = getattr(self, "_tvllm_staged", (None, None, {}))
+        if staged_version != version or thread is None:
+            raise WeightSyncError(
+                f"no staged weights for version {version!r}; call stage_weights_from_storage first."
+            )
+        return thread, staged
 
     def _tvllm_reader(self, path: str) -> SlotReader:
         readers = self.__dict__.setdefault("_tvllm_readers", {})
