@@ -213,8 +213,7 @@ class WeightSyncScheme:
         replicas = self._replicas()
         # Read and verify the new slot while still generating; only the load pauses.
         self._on_all(replicas, "stage_weights_from_storage", (root, version))
-        while not all(all(r) for r in self._on_all(replicas, "staged_weights_ready", (version,))):
-            time.sleep(0.005)
+        self._wait_staged(replicas, version)
         t1 = time.perf_counter()
         pauses = self._apply(replicas, "load_staged_weights", (version,), version)
         phases.update(transfer=t1 - t0, apply=time.perf_counter() - t1)
@@ -223,14 +222,12 @@ class WeightSyncScheme:
     def _push_broadcast(self, tensors, version: str, phases: dict) -> dict[int, float]:
         t0 = time.perf_counter()
         header, buffers = pack(tensors, version, self.bucket_bytes)
+        header_json = header_to_json(header)
         replicas = self._replicas()
         self._ensure_group(replicas)
-        refs = [
-            h.update_weights.remote(
-                "receive_weight_broadcast", (header_to_json(header),), version, self.pause_mode
-            )
-            for _, h in replicas
-        ]
+        # Workers receive and verify in a background thread while still generating;
+        # only the load pauses.
+        self._on_all(replicas, "stage_weight_broadcast", (header_json,))
         try:
             self._group.send(buffers)
         except Exception as e:
@@ -238,11 +235,16 @@ class WeightSyncScheme:
             raise WeightSyncError(
                 f"broadcast of version {version} failed: {e}; replicas keep their weights."
             ) from e
+        self._wait_staged(replicas, version)
         t1 = time.perf_counter()
-        timings = ray.get(refs)
+        pauses = self._apply(replicas, "load_staged_weights", (version,), version)
         phases.update(transfer=t1 - t0, apply=time.perf_counter() - t1)
-        self._last_update = (header_to_json(header), buffers)
-        return {rid: t["pause_s"] for (rid, _), t in zip(replicas, timings, strict=True)}
+        self._last_update = (header_json, buffers)
+        return pauses
+
+    def _wait_staged(self, replicas, version: str) -> None:
+        while not all(all(r) for r in self._on_all(replicas, "staged_weights_ready", (version,))):
+            time.sleep(0.005)
 
     # ------------------------------------------------------------------ group
     def _workers_per_replica(self) -> int:

@@ -97,12 +97,21 @@ class WeightSyncWorkerExtension:
     def stage_weights_from_storage(self, path: str, version: str) -> bool:
         """Start reading and verifying the published slot in the background (before the pause)."""
         reader = self._tvllm_reader(path)
+
+        def read():
+            _, tensors = reader.read(version)
+            return list(tensors.items())
+
+        return self._tvllm_stage(version, read)
+
+    def _tvllm_stage(self, version: str, produce) -> bool:
+        """Run ``produce() -> [(name, tensor)]`` in a thread while the engine keeps generating."""
         staged: dict = {}
 
         def run():
             try:
-                staged["result"] = reader.read(version)
-            except BaseException as e:  # reported by load_staged_weights
+                staged["result"] = produce()
+            except BaseException as e:  # reported by staged_weights_ready / load_staged_weights
                 staged["error"] = e
 
         thread = threading.Thread(target=run, name="tvllm-stage", daemon=True)
@@ -127,9 +136,8 @@ class WeightSyncWorkerExtension:
         self._tvllm_staged = (None, None, {})
         if "error" in staged:
             raise staged["error"]
-        manifest, tensors = staged["result"]
-        self._tvllm_load(tensors.items())
-        return manifest.version
+        self._tvllm_load(staged["result"])
+        return version
 
     def _tvllm_staged_for(self, version: str):
         staged_version, thread, staged = getattr(self, "_tvllm_staged", (None, None, {}))
@@ -171,12 +179,23 @@ class WeightSyncWorkerExtension:
 
         ``load=False`` only receives and verifies (benchmarks time the wire pattern alone).
         """
+        header = header_from_json(header_json)
+        tensors = self._tvllm_receive(header)
+        if load:
+            self._tvllm_load(tensors)
+        return header.version
+
+    def stage_weight_broadcast(self, header_json: str) -> bool:
+        """Receive and verify one update in a background thread (before the pause)."""
+        header = header_from_json(header_json)
+        return self._tvllm_stage(header.version, lambda: self._tvllm_receive(header))
+
+    def _tvllm_receive(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:
         group = getattr(self, "_tvllm_group", None)
         if group is None:
             raise WeightSyncError(
                 "this worker is not in a broadcast group; call init_weight_broadcast first."
             )
-        header = header_from_json(header_json)
         received = []
         for bucket in header.buckets:
             buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._tvllm_device)
@@ -189,10 +208,8 @@ class WeightSyncWorkerExtension:
                     f"bucket {i} of version {header.version} arrived corrupted (checksum {got} != "
                     f"{bucket.checksum}); nothing was loaded."
                 )
-        if load:
-            # One reload for all buckets: vLLM re-processes a layer once all its weights arrived.
-            self._tvllm_load(item for bucket, buf in received for item in unpack(bucket, buf))
-        return header.version
+        # Loaded in one reload: vLLM re-processes a layer once all its weights arrived.
+        return [item for bucket, buf in received for item in unpack(bucket, buf)]
 
     def close_weight_broadcast(self) -> bool:
         group = getattr(self, "_tvllm_group", None)
