@@ -280,3 +280,14 @@ def test_errors_name_key_and_fix():
     with pytest.raises(InvalidRequestError, match="seed"):
         VLLMPolicy(svc)(prompts_td().set("seed", torch.tensor([1.0, 2.0])))
     assert svc.calls == []  # nothing reached the service
+
+
+def test_weight_version_end_tags_a_generation_that_spans_a_keep_sync():
+    spanning = request([5], [[1]], version="1")
+    spanning.weight_version_end = "2"  # a ``keep`` sync landed mid-generation
+    data = [spanning, request([6], [[2]], version="2")]
+    rows = lazy_stack(convert.generated_rows(convert.flatten(data)))
+    assert [rows[i]["vllm", "weight_version"] for i in range(2)] == ["1", "2"]
+    assert [rows[i]["vllm", "weight_version_end"] for i in range(2)] == ["2", "2"]
+    padded = convert.generated_padded(convert.flatten(data), PAD)
+    assert padded.get(("vllm", "weight_version_end")).tolist() == ["2", "2"]

@@ -1,5 +1,19 @@
-"""TorchRL collector integration: weight updates through our weight-sync scheme."""
+"""TorchRL collector integration: weight updates through our scheme, bounded-staleness async collection."""
 
+from torchrl_vllm_ext.collectors.async_collection import AsyncCollection
+from torchrl_vllm_ext.collectors.staleness import (
+    GatedPolicy,
+    StalenessFilter,
+    StalenessGate,
+    sample_versions,
+)
 from torchrl_vllm_ext.collectors.updater import WeightSyncUpdater
 
-__all__ = ["WeightSyncUpdater"]
+__all__ = [
+    "AsyncCollection",
+    "GatedPolicy",
+    "StalenessFilter",
+    "StalenessGate",
+    "WeightSyncUpdater",
+    "sample_versions",
+]

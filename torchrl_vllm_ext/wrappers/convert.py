@@ -48,7 +48,7 @@ class OutputKeys:
     history: str = "history"
     """``ChatHistory`` (prompt, response, full), history mode."""
     extra: str = "vllm"
-    """Our additive sub-TensorDict: ``weight_version``, ``finish_reason``."""
+    """Our additive sub-TensorDict: ``weight_version``, ``weight_version_end``, ``finish_reason``."""
 
 
 @dataclass
@@ -69,11 +69,13 @@ class FlatSamples:
     """Detokenised completion of each row ("" when detokenisation is off)."""
     weight_versions: list[str]
     """Engine weight version each row's request was admitted at."""
+    weight_versions_end: list[str]
+    """Engine weight version when each row's request finished (differs across a ``keep`` sync)."""
 
 
 def flatten(data: Sequence[RequestData]) -> FlatSamples:
     """Flatten requests (each with ``n`` samples) into one row per sample."""
-    prompts, responses, lps, plps, finish, texts, versions = [], [], [], [], [], [], []
+    prompts, responses, lps, plps, finish, texts, versions, ends = [], [], [], [], [], [], [], []
     with_prompt_lp = all(d.prompt_logprobs is not None for d in data)
     for d in data:
         for s in d.samples:
@@ -87,8 +89,9 @@ def flatten(data: Sequence[RequestData]) -> FlatSamples:
             finish.append(s.finish_reason)
             texts.append(s.text)
             versions.append(d.weight_version_start)
+            ends.append(d.weight_version_end)
     return FlatSamples(
-        prompts, responses, lps, plps if with_prompt_lp else None, finish, texts, versions
+        prompts, responses, lps, plps if with_prompt_lp else None, finish, texts, versions, ends
     )
 
 
@@ -217,6 +220,7 @@ def generated_rows(
                     keys.extra: _td(
                         {
                             "weight_version": extras(flat.weight_versions[i]),
+                            "weight_version_end": extras(flat.weight_versions_end[i]),
                             "finish_reason": extras(flat.finish_reasons[i]),
                         }
                     ),
@@ -313,6 +317,7 @@ def generated_padded(
             keys.extra: TensorDict._new_unsafe(
                 source={
                     "weight_version": strings(flat.weight_versions),
+                    "weight_version_end": strings(flat.weight_versions_end),
                     "finish_reason": strings(flat.finish_reasons),
                 },
                 batch_size=batch,

@@ -58,8 +58,9 @@ class VLLMPolicy(TensorDictModuleBase):
     - ``("text", ...)`` in text and history modes; ``("history", "prompt" | "response" | "full")``
       in history mode.
     - Additive: ``("vllm", "weight_version")`` (str, the engine weight version the sample's
-      request was admitted at) and ``("vllm", "finish_reason")`` (str, vLLM's: "stop", "length",
-      "abort"). Read them with ``td.get(("vllm", "finish_reason")).tolist()``.
+      request was admitted at), ``("vllm", "weight_version_end")`` (str, the version when it
+      finished: later only if a ``keep`` sync happened mid-generation) and
+      ``("vllm", "finish_reason")`` (str, vLLM's: "stop", "length", "abort"). Read them with ``td.get(("vllm", "finish_reason")).tolist()``.
 
     ``pad_output=False`` returns a lazy stack whose rows hold 1-D tensors of their own length
     (read them with ``td.get(key, as_list=True)`` or ``as_padded_tensor=True``);

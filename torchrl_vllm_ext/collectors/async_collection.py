@@ -1,0 +1,126 @@
+"""AsyncCollection: TorchRL's LLMCollector running free into a replay buffer, staleness-bounded.
+
+The collector is TorchRL's own: ``LLMCollector(..., replay_buffer=rb)`` and its
+``start()`` thread, which extends ``rb`` batch after batch while the trainer samples it
+and pushes weights with ``update_policy_weights_``. This module only adds the bound on
+how old a sample may be (:mod:`.staleness`) and one owner for the thread's lifetime.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torchrl_vllm_ext.collectors.staleness import (
+    STALENESS_MODES,
+    StalenessFilter,
+    StalenessGate,
+)
+from torchrl_vllm_ext.collectors.updater import WeightSyncUpdater
+from torchrl_vllm_ext.errors import ConfigurationError
+
+
+class AsyncCollection:
+    """Collect rollouts into a replay buffer in the background, at most ``max_policy_lag`` stale.
+
+    ``staleness="drop"`` appends a :class:`StalenessFilter` to the buffer's transforms:
+    stale rows are dropped when written and when sampled. ``staleness="wait"`` puts a
+    :class:`StalenessGate` in front of the policy (the collector waits before a batch that
+    would run too far ahead of the trainer) *and* the filter, as a safety net for a
+    trainer that does not consume one batch per version.
+
+    The trainer's version is the collector's ``policy_version``, moved by
+    ``update_policy_weights_`` (:class:`WeightSyncUpdater` pushes through ``scheme``).
+
+    Args:
+        env: a TorchRL LLM env (e.g. :class:`~torchrl_vllm_ext.TokenCopyEnv`).
+        policy: the :class:`~torchrl_vllm_ext.VLLMPolicy`.
+        scheme: the :class:`~torchrl_vllm_ext.WeightSyncScheme` weights are pushed through.
+        replay_buffer: a TorchRL ``ReplayBuffer`` (``LazyStackStorage`` for ragged rows).
+        dialog_turns_per_batch: rows per collector batch (one ``extend``).
+        max_policy_lag: largest accepted trainer version minus generating version.
+        staleness: ``"drop"`` or ``"wait"``.
+
+    Examples:
+        >>> from torchrl.data import LazyStackStorage, ReplayBuffer
+        >>> rb = ReplayBuffer(storage=LazyStackStorage(256))
+        >>> with AsyncCollection(
+        ...     TokenCopyEnv(batch_size=(4,)), policy, scheme, rb,
+        ...     dialog_turns_per_batch=4, max_policy_lag=1, staleness="wait",
+        ... ) as collection:  # doctest: +SKIP
+        ...     for step in range(10):
+        ...         batch = rb.sample(4)
+        ...         train(model, batch)
+        ...         collection.update_policy_weights_(model)
+    """
+
+    def __init__(
+        self,
+        env,
+        policy,
+        scheme,
+        replay_buffer,
+        *,
+        dialog_turns_per_batch: int,
+        max_policy_lag: int = 1,
+        staleness: str = "drop",
+    ):
+        from torchrl.collectors.llm import LLMCollector
+
+        if staleness not in STALENESS_MODES:
+            raise ConfigurationError(
+                f"staleness={staleness!r} is not one of {STALENESS_MODES}: 'drop' throws stale "
+                "samples away, 'wait' holds collection back."
+            )
+        self.staleness = staleness
+        self.replay_buffer = replay_buffer
+        self.updater = WeightSyncUpdater(scheme)
+        self.filter = StalenessFilter(self.current_version, max_policy_lag)
+        replay_buffer.append_transform(self.filter)
+        self.gate = None
+        if staleness == "wait":
+            self.gate = StalenessGate(self.current_version, max_policy_lag)
+            policy = self.gate.wrap(policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # legacy weight_updater path
+            self.collector = LLMCollector(
+                env,
+                policy=policy,
+                dialog_turns_per_batch=dialog_turns_per_batch,
+                replay_buffer=replay_buffer,
+                weight_updater=self.updater,
+                track_policy_version=True,
+            )
+
+    def current_version(self) -> int:
+        """The trainer's version: the collector's ``policy_version``."""
+        return self.collector.policy_version
+
+    @property
+    def dropped(self) -> int:
+        """Rows the staleness filter removed so far."""
+        return self.filter.dropped
+
+    def start(self) -> AsyncCollection:
+        """Start TorchRL's collection thread; returns ``self``."""
+        self.collector.start()
+        return self
+
+    def update_policy_weights_(self, weights):
+        """Push ``weights`` as the next version (blocks); returns the :class:`SyncReport`."""
+        self.collector.update_policy_weights_(weights)
+        return self.updater.last_report
+
+    def shutdown(self, timeout: float = 120.0) -> None:
+        """Stop the thread (after its in-flight batch) and release the collector."""
+        if self.gate is not None:
+            self.gate.close()
+        self.collector.async_shutdown(timeout=timeout)
+
+    def __enter__(self) -> AsyncCollection:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+__all__ = ["AsyncCollection"]
