@@ -69,6 +69,26 @@ def hf_token_logprobs(model, ids: list[int]) -> torch.Tensor:
     return logp.gather(-1, x[0, 1:, None])[:, 0]
 
 
+def grpo_backward(model, tokenizer, data, pad_output: bool) -> None:
+    """TorchRL's GRPOLoss with a transformers actor on ``data`` (which carries "advantage"):
+    loss and backward; the engine held the trainer's exact fp32 weights, so importance
+    weights are 1 (ESS 1, KL 0) and the gradients are finite."""
+    from torchrl.modules.llm import TransformersWrapper
+    from torchrl.objectives.llm import GRPOLoss
+
+    actor = TransformersWrapper(
+        model, tokenizer=tokenizer, input_mode="tokens", generate=False, pad_output=pad_output
+    )
+    loss_fn = GRPOLoss(actor, masking_strategy="sft")
+    model.zero_grad()
+    out = loss_fn(data)
+    out.loss_objective.backward()
+    assert abs(float(out.ESS) - 1.0) < 1e-3 and abs(float(out.kl_approx)) < 1e-3
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    model.zero_grad()
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
     """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
     import time

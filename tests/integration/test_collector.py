@@ -15,6 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchrl_vllm_ext import TokenCopyEnv, VLLMPolicy, WeightSyncScheme, WeightSyncUpdater
 
+from .conftest import grpo_backward
+
 ROUNDS = 3
 ENV_BATCH = 4
 
@@ -58,8 +60,6 @@ def sample_versions(batch) -> tuple[set[int], set[str]]:
 @pytest.mark.parametrize("scheme", ["storage", "broadcast"], indirect=True)
 def test_collect_update_rounds_then_grpo(service, tiny_model, trainer, scheme):
     from torchrl.collectors.llm import LLMCollector
-    from torchrl.modules.llm.policies import TransformersWrapper
-    from torchrl.objectives.llm import GRPOLoss
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     policy = VLLMPolicy(service, sampling_params={"max_tokens": 6, "temperature": 1.0})
@@ -100,18 +100,7 @@ def test_collect_update_rounds_then_grpo(service, tiny_model, trainer, scheme):
     if not advantage.any():  # an untrained model rarely copies: still exercise the gradient
         advantage = torch.tensor([1.0, -1.0] * (ENV_BATCH // 2))
     data.set("advantage", advantage.view(-1, 1, 1))
-    actor = TransformersWrapper(
-        trainer, tokenizer=tokenizer, input_mode="tokens", generate=False, pad_output=False
-    )
-    loss_fn = GRPOLoss(actor, masking_strategy="sft")
-    trainer.zero_grad()
-    out = loss_fn(data)
-    out.loss_objective.backward()
-    # Engine and trainer hold the same pushed fp32 weights: importance weights are 1.
-    assert abs(float(out.ESS) - 1.0) < 1e-3 and abs(float(out.kl_approx)) < 1e-3
-    grads = [p.grad for p in trainer.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() for g in grads)
-    trainer.zero_grad()
+    grpo_backward(trainer, tokenizer, data, pad_output=False)  # the pushed weights: ESS 1
     collector.shutdown()
 
 

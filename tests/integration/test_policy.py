@@ -11,7 +11,7 @@ from tensordict import TensorDict, lazy_stack, set_list_to_stack
 
 from torchrl_vllm_ext import ConfigurationError, InvalidRequestError, VLLMPolicy
 
-from .conftest import ENGINE_KWARGS, hf_token_logprobs
+from .conftest import ENGINE_KWARGS, grpo_backward, hf_token_logprobs
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43]]
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -191,8 +191,6 @@ def test_prompt_logprobs_while_generating(service, hf_model):
 
 @pytest.mark.parametrize("pad_output", [False, True])
 def test_grpo_loss_backward(service, hf_model, tokenizer, pad_output):
-    from torchrl.modules.llm.policies import TransformersWrapper
-    from torchrl.objectives.llm import GRPOLoss
 
     policy = VLLMPolicy(
         service,
@@ -203,18 +201,7 @@ def test_grpo_loss_backward(service, hf_model, tokenizer, pad_output):
     )
     data = policy(tokens_td(pad_output)).reshape(-1)  # (B, G) -> (B*G,) for the loss
     data.set("advantage", torch.tensor([1.0, -1.0] * 3).view(-1, 1, 1))
-    actor = TransformersWrapper(
-        hf_model, tokenizer=tokenizer, input_mode="tokens", generate=False, pad_output=pad_output
-    )
-    loss_fn = GRPOLoss(actor, masking_strategy="sft")
-    hf_model.zero_grad()
-    out = loss_fn(data)
-    out.loss_objective.backward()
-    # The engine and the trainer hold the same fp32 weights: importance weights are 1.
-    assert abs(float(out.ESS) - 1.0) < 1e-3 and abs(float(out.kl_approx)) < 1e-3
-    grads = [p.grad for p in hf_model.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() for g in grads)
-    hf_model.zero_grad()
+    grpo_backward(hf_model, tokenizer, data, pad_output)
 
 
 def test_async_calls_in_flight(service):
