@@ -24,6 +24,7 @@ from tensordict.nn import TensorDictModuleBase
 from torchrl.envs import Transform
 
 from torchrl_vllm_ext.errors import ConfigurationError
+from torchrl_vllm_ext.wrappers.inputs import flatten_rows
 
 VERSION_KEY = ("vllm", "weight_version")
 STALENESS_MODES = ("drop", "wait")
@@ -46,7 +47,7 @@ def sample_versions(td: TensorDictBase, key=VERSION_KEY) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.reshape(td.batch_size).long()
     flat = value.tolist() if hasattr(value, "tolist") else value
-    ints = torch.tensor([int(v) for v in _flat(flat)], dtype=torch.int64)
+    ints = torch.tensor([int(v) for v in flatten_rows(flat)], dtype=torch.int64)
     if ints.numel() == 1 and td.batch_size.numel() != 1:  # one shared NonTensorData
         ints = ints.expand(td.batch_size.numel())
     return ints.reshape(td.batch_size)
@@ -214,14 +215,6 @@ class GatedPolicy(TensorDictModuleBase):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         self.gate.admit()
         return self.policy(tensordict)
-
-
-def _flat(rows):
-    for r in rows if isinstance(rows, list | tuple) else [rows]:
-        if isinstance(r, list | tuple):
-            yield from _flat(r)
-        else:
-            yield r
 
 
 __all__ = [

@@ -15,6 +15,7 @@ from torchrl.envs import EnvBase
 from torchrl.modules.llm.policies import Tokens
 
 from torchrl_vllm_ext.errors import ConfigurationError
+from torchrl_vllm_ext.wrappers.inputs import flatten_rows
 
 
 def copy_reward(prompt: torch.Tensor, response: torch.Tensor) -> float:
@@ -123,7 +124,8 @@ class TokenCopyEnv(EnvBase):
         full = tensordict.get(("tokens", "full"), as_list=True)
         answer = tensordict.get("answer").reshape(-1, self.prompt_len)
         rewards = [
-            copy_reward(a, f[self.prompt_len :]) for a, f in zip(answer, _flat(full), strict=True)
+            copy_reward(a, f[self.prompt_len :])
+            for a, f in zip(answer, flatten_rows(full), strict=True)
         ]
         shape = self.batch_size
         out = TensorDict(
@@ -142,14 +144,6 @@ class TokenCopyEnv(EnvBase):
             torch.ones(*shape, self.prompt_len, dtype=torch.bool),
         )
         return out
-
-
-def _flat(rows):
-    for r in rows:
-        if isinstance(r, list | tuple):
-            yield from _flat(r)
-        else:
-            yield r
 
 
 __all__ = ["TokenCopyEnv", "copy_reward"]

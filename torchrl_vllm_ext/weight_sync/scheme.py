@@ -197,14 +197,14 @@ class WeightSyncScheme:
             ) from e
 
     def _apply(self, replicas, method: str, args: tuple, version: str) -> dict[int, float]:
-        call = [
-            (rid, h.update_weights, (method, args, version, self.pause_mode)) for rid, h in replicas
-        ]
-        if self.rollout == "rolling":
-            timings = [ray.get(fn.remote(*a)) for _, fn, a in call]
+        def start(handle):
+            return handle.update_weights.remote(method, args, version, self.pause_mode)
+
+        if self.rollout == "rolling":  # one replica at a time: the others keep serving
+            timings = [ray.get(start(h)) for _, h in replicas]
         else:
-            timings = ray.get([fn.remote(*a) for _, fn, a in call])
-        return {rid: t["pause_s"] for (rid, _, _), t in zip(call, timings, strict=True)}
+            timings = ray.get([start(h) for _, h in replicas])
+        return {rid: t["pause_s"] for (rid, _), t in zip(replicas, timings, strict=True)}
 
     def _push_storage(self, tensors, version: str, phases: dict) -> dict[int, float]:
         t0 = time.perf_counter()

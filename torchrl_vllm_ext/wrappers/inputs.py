@@ -100,7 +100,7 @@ def _from_ragged(td, key, value, n) -> list[np.ndarray]:
             return np.split(flat, offsets[1:-1])
         return [t.numpy().astype(np.int64, copy=False) for t in value.unbind(0)]
     rows = td.get(key, as_list=True)
-    out = list(_flatten_lists(rows))
+    out = list(flatten_rows(rows))
     if len(out) != n:
         raise InvalidRequestError(
             f"{key_str(key)} holds {len(out)} sequences for a batch of {n}; give one per element."
@@ -114,10 +114,11 @@ def _from_ragged(td, key, value, n) -> list[np.ndarray]:
     return [t.numpy().astype(np.int64, copy=False) for t in out]
 
 
-def _flatten_lists(rows):
+def flatten_rows(rows):
+    """Leaves of nested lists, in order (``td.get(key, as_list=True)`` of a >1-D lazy stack)."""
     for r in rows:
         if isinstance(r, list | tuple):
-            yield from _flatten_lists(r)
+            yield from flatten_rows(r)
         else:
             yield r
 
@@ -163,7 +164,7 @@ def read_texts(td: TensorDictBase, key: NestedKey) -> list[str]:
         )
     value = td.get(key)
     texts = value.tolist() if hasattr(value, "tolist") else value
-    texts = [texts] if isinstance(texts, str) else list(_flatten_lists(texts))
+    texts = [texts] if isinstance(texts, str) else list(flatten_rows(texts))
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise InvalidRequestError(

@@ -27,6 +27,7 @@ from tensordict.nn import TensorDictModuleBase
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
 from torchrl_vllm_ext.wrappers import convert, inputs
 from torchrl_vllm_ext.wrappers.convert import OutputKeys
+from torchrl_vllm_ext.wrappers.inputs import flatten_rows
 
 INPUT_MODES = ("tokens", "text", "history")
 _SCORE_PARAMS = {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False}
@@ -393,7 +394,7 @@ class VLLMPolicy(TensorDictModuleBase):
             lengths = np.fromiter((len(p) for p in prompts), dtype=np.int64, count=len(prompts))
         asst = None
         if asst_key in td.keys(True):
-            asst = list(_flat_rows(td.get(asst_key, as_list=True)))
+            asst = list(flatten_rows(td.get(asst_key, as_list=True)))
             if len(asst) != len(plan.prompts) or any(
                 len(a) != len(p) for a, p in zip(asst, plan.prompts, strict=True)
             ):
@@ -458,14 +459,6 @@ def _dense(td: TensorDictBase, key) -> torch.Tensor | None:
     if not isinstance(value, torch.Tensor) or value.is_nested:
         return None
     return value
-
-
-def _flat_rows(rows):
-    for r in rows:
-        if isinstance(r, list | tuple):
-            yield from _flat_rows(r)
-        else:
-            yield r
 
 
 def _left_padded(seqs: Sequence[np.ndarray], pad: int) -> torch.Tensor:
