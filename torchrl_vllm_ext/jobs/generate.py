@@ -1,0 +1,7 @@
+"""torchrl-vllm generate (being written)."""
+
+
+def add_parser(sub):
+    p = sub.add_parser("generate", help="(being written)")
+    p.set_defaults(func=lambda args: 2)
+    return p
