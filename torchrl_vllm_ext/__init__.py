@@ -19,6 +19,7 @@ _EXPORTS = {
     "StalenessFilter": "torchrl_vllm_ext.collectors",
     "StalenessGate": "torchrl_vllm_ext.collectors",
     "TokenCopyEnv": "torchrl_vllm_ext.envs",
+    "TokenCountEnv": "torchrl_vllm_ext.envs",
     "ReplicaInfo": "torchrl_vllm_ext.messages",
     "ReplicaStats": "torchrl_vllm_ext.messages",
     "RequestData": "torchrl_vllm_ext.messages",
