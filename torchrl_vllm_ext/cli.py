@@ -25,12 +25,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the job; typed errors propagate (for scripts and tests)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     return args.func(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The console entry point: a typed error prints its message (value and fix), exit 2."""
+    from torchrl_vllm_ext.errors import TorchRLVLLMError
+
+    try:
+        return run(argv)
+    except TorchRLVLLMError as err:
+        print(f"torchrl-vllm: error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""GRPOConfig: every knob of the GRPO main job, one documented field each."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class GRPOConfig:
+    """The GRPO job on :class:`~torchrl_vllm_ext.TokenCountEnv` (see ``torchrl-vllm demo``).
+
+    Examples:
+        >>> cfg = GRPOConfig(steps=10, group_size=4)
+        >>> cfg.rows_per_step
+        32
+    """
+
+    model: str | None = None
+    """Local Hugging Face causal LM directory; None builds the package's tiny random Qwen2."""
+    output: Path = Path("grpo_demo")
+    """Directory for the reward curve, the metrics JSON and the memmapped rollouts."""
+    steps: int = 200
+    """GRPO steps: one collection of ``prompts_per_step * group_size`` samples, one update."""
+    prompts_per_step: int = 8
+    """Distinct prompts per step (GRPO groups)."""
+    group_size: int = 16
+    """Samples per prompt; advantages are normalised within each group."""
+    prompt_len: int = 4
+    """Ids in each prompt (a run of consecutive ids)."""
+    answer_len: int = 4
+    """Ids to continue the run by; also the generation length."""
+    low: int = 5
+    """Smallest token id of the task's alphabet."""
+    high: int = 15
+    """One past the largest token id of the alphabet (random policy reward 1/(high-low))."""
+    lr: float = 1e-3
+    """Adam learning rate of the trainer."""
+    clip_epsilon: float = 0.2
+    """GRPOLoss clipping of the importance weight."""
+    temperature: float = 1.0
+    """Sampling temperature of the replicas (the trainer's log-probs assume 1.0)."""
+    replicas: int = 2
+    """vLLM replicas (Ray actors)."""
+    transport: str = "auto"
+    """Weight-sync transport: auto, storage or broadcast."""
+    seed: int = 0
+    """Seeds the tiny model, the prompts, the trainer and the engines."""
+    dtype: str = "float32"
+    """dtype of the trainer and of the replicas (fp32 keeps their log-probs equal)."""
+    cpus_per_replica: float | None = None
+    """Ray CPUs per replica; None splits the machine between the replicas."""
+    target_fraction: float = 0.8
+    """The reward (fraction of the task's maximum of 1.0) the run reports the time to reach."""
+
+    @property
+    def rows_per_step(self) -> int:
+        """Samples generated per step."""
+        return self.prompts_per_step * self.group_size
+
+    def to_json(self) -> dict:
+        """The config as JSON-ready values."""
+        return {
+            k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(self).items()
+        }
+
+
+__all__ = ["GRPOConfig"]

@@ -1,0 +1,106 @@
+"""What a GRPO run leaves behind: summary figures, the step-time breakdown, the reward plot."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+PHASES = ("generate", "score", "train", "sync")
+PHASE_HELP = {
+    "generate": "collector: vLLM sampling on the replicas + env reward",
+    "score": "trainer log-probs of the samples (GRPOLoss forward)",
+    "train": "backward + Adam step",
+    "sync": "push the weights to every replica (WeightSyncScheme)",
+}
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to ``window`` values.
+
+    Examples:
+        >>> moving_average([0.0, 1.0, 2.0, 3.0], 2)
+        [0.0, 0.5, 1.5, 2.5]
+    """
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def summarize(steps: list[dict], *, target: float, random_reward: float, window: int = 10) -> dict:
+    """Reward at start and end, time to the target, and the median step-time breakdown.
+
+    ``steps`` are the per-step metrics of the run (``reward``, ``elapsed_s`` and one
+    ``<phase>_s`` per phase).
+    """
+    rewards = [s["reward"] for s in steps]
+    smooth = moving_average(rewards, window)
+    reached = next((i for i, r in enumerate(smooth) if i + 1 >= window and r >= target), None)
+    breakdown = {p: statistics.median(s[f"{p}_s"] for s in steps) for p in PHASES}
+    step_s = sum(breakdown.values())
+    return {
+        "random_policy_reward": random_reward,
+        "reward_start": rewards[0],  # step 0 samples the untrained model
+        "reward_end": statistics.fmean(rewards[-window:]),
+        "reward_best_moving_avg": max(smooth[window - 1 :] or smooth),
+        "target_reward": target,
+        "target_reached_step": reached,
+        "target_reached_s": None if reached is None else steps[reached]["elapsed_s"],
+        "train_wall_s": steps[-1]["elapsed_s"],
+        "median_step_s": step_s,
+        "median_breakdown_s": breakdown,
+        "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps),
+        "max_abs_kl_to_engine": max(abs(s["kl_to_engine"]) for s in steps),
+    }
+
+
+def breakdown_table(summary: dict) -> str:
+    """A printable table of the median GRPO step: one line per phase, its share and meaning."""
+    parts = summary["median_breakdown_s"]
+    total = sum(parts.values()) or 1.0
+    lines = [f"{'phase':<9}{'median s':>10}{'share':>8}  what"]
+    for p in PHASES:
+        lines.append(f"{p:<9}{parts[p]:>10.3f}{parts[p] / total:>8.0%}  {PHASE_HELP[p]}")
+    lines.append(f"{'step':<9}{total:>10.3f}{1:>8.0%}")
+    return "\n".join(lines)
+
+
+def plot_run(steps: list[dict], summary: dict, path: Path, *, window: int = 10) -> Path:
+    """Reward per step (raw and moving average, random level, target) and step times."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and CI
+    import matplotlib.pyplot as plt
+
+    x = [s["step"] for s in steps]
+    rewards = [s["reward"] for s in steps]
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+    )
+    top.plot(x, rewards, color="tab:blue", alpha=0.35, label="reward (batch mean)")
+    top.plot(x, moving_average(rewards, window), color="tab:blue", label=f"{window}-step mean")
+    top.axhline(summary["random_policy_reward"], color="grey", ls=":", label="random policy")
+    top.axhline(summary["target_reward"], color="tab:green", ls="--", label="target")
+    top.set_ylim(0, 1.05)
+    top.set_ylabel("reward")
+    top.set_title("GRPO on vLLM replicas: TokenCountEnv")
+    top.legend(loc="lower right")
+    bottom_acc = [0.0] * len(steps)
+    for phase in PHASES:
+        values = [s[f"{phase}_s"] for s in steps]
+        top_edge = [a + v for a, v in zip(bottom_acc, values, strict=True)]
+        bottom.fill_between(x, bottom_acc, top_edge, step="mid", alpha=0.6, label=phase)
+        bottom_acc = top_edge
+    bottom.set_ylabel("step time (s)")
+    bottom.set_xlabel("GRPO step")
+    bottom.legend(loc="upper right", ncol=4, fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["PHASES", "breakdown_table", "moving_average", "plot_run", "summarize"]

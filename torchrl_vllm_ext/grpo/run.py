@@ -1,0 +1,207 @@
+"""run_grpo: the GRPO main job, step by step (collect -> score -> train -> sync).
+
+1. build or load the model; the trainer holds it, the replicas serve the same weights;
+2. launch the replicas (Ray actors) and the weight-sync scheme;
+3. loop: the LLMCollector samples ``group_size`` answers per prompt through
+   :class:`~torchrl_vllm_ext.VLLMPolicy`, the env scores them, the trainer takes one
+   GRPOLoss step, and ``collector.update_policy_weights_`` pushes the new weights;
+4. write the rollouts (memmapped TensorDict), the metrics JSON and the reward curve.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from torchrl_vllm_ext.errors import ConfigurationError
+from torchrl_vllm_ext.grpo.config import GRPOConfig
+from torchrl_vllm_ext.grpo.report import plot_run, summarize
+from torchrl_vllm_ext.grpo.rollouts import RolloutRecorder
+from torchrl_vllm_ext.grpo.trainer import GRPOTrainer, restrict_vocabulary
+
+logger = logging.getLogger(__name__)
+
+# A replica only ever sees prompt_len + answer_len tokens: a small context keeps its KV
+# cache (and start-up) small on CPU.
+MAX_MODEL_LEN = 128
+CPU_KV_CACHE_BYTES = 64 << 20
+
+
+def engine_kwargs(cfg: GRPOConfig, *, gpu: bool) -> dict:
+    """vLLM engine arguments of the demo's replicas."""
+    kwargs = {
+        "dtype": cfg.dtype,
+        "seed": cfg.seed,
+        "max_model_len": MAX_MODEL_LEN,
+        # The policy samples from the task's alphabet only (allowed_token_ids): report the
+        # log-probs of that distribution, which the trainer's masked model reproduces.
+        "logprobs_mode": "processed_logprobs",
+    }
+    if not gpu:
+        kwargs.update(enforce_eager=True, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
+    return kwargs
+
+
+def load_trainer_model(cfg: GRPOConfig):
+    """(model path, tokenizer, model): the given model, or the package's tiny random Qwen2."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from torchrl_vllm_ext.testing import make_tiny_model
+
+    path = Path(cfg.model) if cfg.model else make_tiny_model(seed=cfg.seed)
+    if not (path / "config.json").is_file():
+        raise ConfigurationError(
+            f"--model {path} is not a Hugging Face model directory (no config.json); "
+            "pass a local directory saved with save_pretrained, or omit --model."
+        )
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if cfg.high > vocab:
+        raise ConfigurationError(
+            f"the task uses token ids up to {cfg.high - 1} but {path} has {vocab}; "
+            f"pass --high <= {vocab}."
+        )
+    return path, tokenizer, model
+
+
+def run_grpo(
+    cfg: GRPOConfig, *, progress: bool = True, on_step: Callable[[dict], None] | None = None
+) -> dict:
+    """Train with GRPO on vLLM replicas; returns the metrics also written to ``metrics.json``.
+
+    ``on_step`` receives each step's metrics as they come (a notebook can plot live).
+    """
+    from torchrl.collectors.llm import LLMCollector
+    from tqdm.auto import tqdm
+
+    from torchrl_vllm_ext import (
+        TokenCountEnv,
+        VLLMPolicy,
+        VLLMService,
+        WeightSyncScheme,
+        WeightSyncUpdater,
+    )
+
+    torch.manual_seed(cfg.seed)
+    out_dir = Path(cfg.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    model_path, tokenizer, model = load_trainer_model(cfg)
+    model.to(device)
+    env = TokenCountEnv(
+        batch_size=(cfg.rows_per_step,),
+        prompt_len=cfg.prompt_len,
+        answer_len=cfg.answer_len,
+        low=cfg.low,
+        high=cfg.high,
+        group_size=cfg.group_size,
+        seed=cfg.seed,
+    )
+    restrict_vocabulary(model, env.task_token_ids)
+    trainer = GRPOTrainer(
+        model, tokenizer, group_size=cfg.group_size, lr=cfg.lr, clip_epsilon=cfg.clip_epsilon
+    )
+    recorder = RolloutRecorder(
+        out_dir / "rollouts",
+        steps=cfg.steps,
+        rows=cfg.rows_per_step,
+        prompt_len=cfg.prompt_len,
+        response_len=cfg.answer_len,
+    )
+
+    started = time.perf_counter()
+    with (
+        VLLMService.launch(
+            model_path,
+            num_replicas=cfg.replicas,
+            cpus_per_replica=cfg.cpus_per_replica,
+            **engine_kwargs(cfg, gpu=gpu),
+        ) as service,
+        WeightSyncScheme(service, transport=cfg.transport) as scheme,
+    ):
+        startup_s = time.perf_counter() - started
+        logger.info(
+            "%d replicas up in %.1f s; weight sync: %s", cfg.replicas, startup_s, scheme.transport
+        )
+        policy = VLLMPolicy(
+            service,
+            sampling_params={
+                "max_tokens": cfg.answer_len,
+                "temperature": cfg.temperature,
+                "allowed_token_ids": env.task_token_ids,
+            },
+        )
+        updater = WeightSyncUpdater(scheme)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # TorchRL's legacy updater path
+            collector = LLMCollector(
+                env,
+                policy=policy,
+                dialog_turns_per_batch=cfg.rows_per_step,
+                weight_updater=updater,
+                track_policy_version=True,
+            )
+        steps: list[dict] = []
+        batches = iter(collector)
+        bar = tqdm(range(cfg.steps), desc="GRPO", disable=not progress, unit="step")
+        train_start = time.perf_counter()
+        try:
+            for step in bar:
+                t0 = time.perf_counter()
+                batch = next(batches)
+                generate_s = time.perf_counter() - t0
+                metrics = trainer.step(batch)
+                recorder.record(step, batch)
+                t1 = time.perf_counter()
+                collector.update_policy_weights_(model)
+                sync_s = time.perf_counter() - t1
+                report = updater.last_report
+                tokens = cfg.rows_per_step * cfg.answer_len
+                metrics.update(
+                    step=step,
+                    generate_s=generate_s,
+                    sync_s=sync_s,
+                    sync_pause_s=max(report.pause_s.values(), default=0.0),
+                    tokens_per_s=tokens / generate_s,
+                    weight_version=int(scheme.version),
+                    elapsed_s=time.perf_counter() - train_start,
+                )
+                steps.append(metrics)
+                bar.set_postfix(
+                    reward=f"{metrics['reward']:.2f}",
+                    tok_s=f"{metrics['tokens_per_s']:.0f}",
+                    sync_s=f"{sync_s:.2f}",
+                )
+                if on_step is not None:
+                    on_step(metrics)
+        finally:
+            bar.close()
+            collector.shutdown()
+    if not steps:
+        raise ConfigurationError("no GRPO step ran; pass --steps >= 1.")
+    summary = summarize(steps, target=cfg.target_fraction, random_reward=1.0 / (cfg.high - cfg.low))
+    summary.update(startup_s=startup_s, transport=scheme.transport, replicas=cfg.replicas)
+    result = {
+        "config": cfg.to_json(),
+        "summary": summary,
+        "steps": steps,
+        "files": {
+            "reward_curve": str(out_dir / "reward_curve.png"),
+            "metrics": str(out_dir / "metrics.json"),
+            "rollouts": str(out_dir / "rollouts"),
+        },
+    }
+    plot_run(steps, summary, out_dir / "reward_curve.png")
+    (out_dir / "metrics.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+__all__ = ["engine_kwargs", "load_trainer_model", "run_grpo"]
