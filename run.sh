@@ -2,7 +2,7 @@
 # One entry point for a fresh machine: installs what is missing, then runs.
 #   ./run.sh demo [args]   the main job (torchrl-vllm demo)
 #   ./run.sh test [args]   the test suite (unit + integration; slow and gpu tests skipped)
-#   ./run.sh bench [args]  the benchmarks
+#   ./run.sh bench [args]  the benchmarks, one JSON table (torchrl-vllm bench; --quick)
 #   ./run.sh setup         install only
 # Idempotent: a second run skips the install unless pyproject.toml or this script changed.
 set -euo pipefail
@@ -49,6 +49,6 @@ case "$cmd" in
   setup) setup ;;
   demo) setup; exec "$VENV/bin/torchrl-vllm" demo "$@" ;;
   test) setup; exec "$VENV/bin/python" -m pytest tests "$@" ;;
-  bench) setup; exec "$VENV/bin/python" benchmarks/bench_generate.py "$@" ;;
+  bench) setup; exec "$VENV/bin/torchrl-vllm" bench "$@" ;;
   *) echo "usage: ./run.sh {demo|test|bench|setup} [args]" >&2; exit 2 ;;
 esac

@@ -26,7 +26,7 @@ def restrict_vocabulary(model: torch.nn.Module, token_ids: Sequence[int]):
         >>> from torchrl_vllm_ext.testing import make_tiny_model
         >>> model = AutoModelForCausalLM.from_pretrained(make_tiny_model())
         >>> handle = restrict_vocabulary(model, [5, 6, 7])
-        >>> probs = model(torch.tensor([[5, 6]])).logits[0, -1].softmax(-1)
+        >>> probs = model(torch.tensor([[5, 6]])).logits[0, -1].detach().softmax(-1)
         >>> round(float(probs[[5, 6, 7]].sum()), 6)
         1.0
         >>> handle.remove()
