@@ -156,3 +156,12 @@ def test_config_rows_and_json():
     cfg = GRPOConfig(prompts_per_step=3, group_size=5)
     assert cfg.rows_per_step == 15
     assert json.loads(json.dumps(cfg.to_json()))["output"] == "grpo_demo"
+
+
+def test_sample_seeds_are_per_row_and_reproducible():
+    a = TokenCountEnv((4,), group_size=2, seed=3, sample_seeds=True)
+    b = TokenCountEnv((4,), group_size=2, seed=3, sample_seeds=True)
+    sa, sb = a.reset()["seed"], b.reset()["seed"]
+    assert sa.dtype == torch.int64 and sa.shape == (4,) and torch.equal(sa, sb)
+    assert len(set(sa.tolist())) == 4  # rows of a group sample differently
+    assert "seed" not in TokenCountEnv((4,)).reset().keys()

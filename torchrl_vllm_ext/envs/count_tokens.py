@@ -64,6 +64,7 @@ class TokenCountEnv(TokenTaskEnv):
         high: int = 15,
         group_size: int = 1,
         seed: int = 0,
+        sample_seeds: bool = False,
     ):
         super().__init__(
             batch_size,
@@ -73,6 +74,7 @@ class TokenCountEnv(TokenTaskEnv):
             high=high,
             group_size=group_size,
             seed=seed,
+            sample_seeds=sample_seeds,
         )
 
     def draw(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,8 @@ from torchrl.modules.llm.policies import Tokens
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.wrappers.inputs import flatten_rows
 
+SEED_HIGH = 2**31  # vLLM takes any int seed; int32 keeps it portable
+
 
 class TokenTaskEnv(EnvBase):
     """One dialog turn on token ids: reset poses prompts, step scores ``("tokens", "full")``.
@@ -31,6 +33,9 @@ class TokenTaskEnv(EnvBase):
     ``group_size=G`` poses each prompt to ``G`` consecutive rows of the (flattened) batch,
     the groups GRPO compares samples within. Prompts come from a ``torch.Generator``
     seeded by ``seed``: two envs with the same seed pose the same prompts in the same order.
+    With ``sample_seeds=True`` reset also writes a ``"seed"`` per row from that generator,
+    which :class:`~torchrl_vllm_ext.VLLMPolicy` uses as the row's sampling seed: a run is
+    then reproducible whatever replica serves each row.
 
     Subclasses implement :meth:`draw` and :meth:`score`.
     """
@@ -47,6 +52,7 @@ class TokenTaskEnv(EnvBase):
         high: int,
         group_size: int = 1,
         seed: int = 0,
+        sample_seeds: bool = False,
     ):
         batch_size = torch.Size(batch_size)
         if prompt_len < 1 or answer_len < 1:
@@ -66,6 +72,7 @@ class TokenTaskEnv(EnvBase):
         self.prompt_len, self.answer_len = prompt_len, answer_len
         self.low, self.high = low, high
         self.group_size = group_size
+        self.sample_seeds = sample_seeds
         shape = self.batch_size
         ids = Bounded(low, high - 1, shape=(*shape, prompt_len), dtype=torch.int64)
         mask = Bounded(0, 1, shape=(*shape, prompt_len), dtype=torch.bool)
@@ -76,6 +83,8 @@ class TokenTaskEnv(EnvBase):
         )
         answer = Bounded(low, high - 1, shape=(*shape, answer_len), dtype=torch.int64)
         self.full_state_spec = Composite(answer=answer, shape=shape)
+        if sample_seeds:
+            self.full_state_spec["seed"] = Bounded(0, SEED_HIGH - 1, shape=shape, dtype=torch.int64)
         # Ragged: each row's prompt ++ response has its own length.
         self.full_action_spec = Composite(
             tokens=Composite(full=Unbounded((*shape, -1), dtype=torch.int64), shape=shape),
@@ -110,6 +119,8 @@ class TokenTaskEnv(EnvBase):
         out = TensorDict(batch_size=self.batch_size)
         out.set("tokens", Tokens(prompt=prompt, batch_size=self.batch_size))
         out.set("answer", answer)
+        if self.sample_seeds:
+            out.set("seed", torch.randint(SEED_HIGH, self.batch_size, generator=self.rng))
         # NOTE: the collector carries the last step's keys into the reset TD; a fresh
         # prompt mask replaces the previous turn's (prompt ++ response) one, which a
         # policy reading ("masks", "all_attention_mask") would otherwise pair with the
@@ -133,6 +144,7 @@ class TokenTaskEnv(EnvBase):
                 "done": torch.ones(*shape, 1, dtype=torch.bool),
                 "terminated": torch.ones(*shape, 1, dtype=torch.bool),
                 "answer": tensordict.get("answer"),
+                **({"seed": tensordict.get("seed")} if self.sample_seeds else {}),
             },
             batch_size=shape,
         )

@@ -104,6 +104,7 @@ def run_grpo(
         high=cfg.high,
         group_size=cfg.group_size,
         seed=cfg.seed,
+        sample_seeds=True,  # reproducible sampling whatever replica serves a row
     )
     restrict_vocabulary(model, env.task_token_ids)
     trainer = GRPOTrainer(
