@@ -9,9 +9,11 @@ handle that is released when the replica goes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,15 +39,49 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> boo
     if address is not None:
         ray.init(address=address, runtime_env=env, logging_level=logging.WARNING)
         return False
-    ray.init(
-        num_cpus=int(num_cpus) if num_cpus is not None else os.cpu_count(),
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env=env,
-        logging_level=logging.WARNING,
+    with _loopback_only():
+        ray.init(
+            num_cpus=int(num_cpus) if num_cpus is not None else os.cpu_count(),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env=env,
+            logging_level=logging.WARNING,
+        )
+    logger.info(
+        "started a local Ray cluster on %s: %s",
+        ray.get_runtime_context().gcs_address,
+        ray.cluster_resources(),
     )
-    logger.info("started a local Ray cluster: %s", ray.cluster_resources())
     return True
+
+
+_LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """Start Ray as a single-host cluster whose servers listen on loopback only.
+
+    NOTE: on Linux Ray replaces a loopback ``_node_ip_address`` with the host's routable
+    address and binds its GCS, raylet and worker servers to every interface. Its
+    local-only mode (the default on macOS and Windows) keeps them all on 127.0.0.1.
+    The switch is an environment variable the processes started by ``ray.init``
+    inherit; the driver read it when ``ray`` was imported, so its copy is set too.
+    """
+    from ray._private import ray_constants
+
+    saved_env = os.environ.get(_LOCAL_ONLY_ENV)
+    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_LOCAL_ONLY_ENV, None)
+        else:
+            os.environ[_LOCAL_ONLY_ENV] = saved_env
 
 
 def _engine_env() -> dict[str, str]:

@@ -292,9 +292,26 @@ class VLLMReplica:
         return await self.engine.reset_prefix_cache()
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None):
-        """Call ``method`` on every vLLM worker (worker extensions live there)."""
+        """Call ``method`` on every vLLM worker (worker extensions live there).
+
+        A failure on a worker is raised as :class:`WeightSyncError` naming the replica
+        and the method (the worker extensions are the weight-sync receivers).
+        """
         self._require_engine()
-        return await self.engine.collective_rpc(method, args=args, kwargs=kwargs)
+        return await self._worker_call(method, tuple(args), kwargs)
+
+    async def _worker_call(self, method: str, args: tuple, kwargs: dict | None = None):
+        try:
+            return await self.engine.collective_rpc(method, args=args, kwargs=kwargs)
+        except engine_dead_errors() as e:
+            raise ReplicaDeadError(f"replica {self.replica_id}: the vLLM engine died: {e}") from e
+        except Exception as e:
+            # NOTE: vLLM returns a worker's exception as a bare Exception holding only its
+            # message; give the caller back a type it can catch.
+            raise WeightSyncError(
+                f"replica {self.replica_id} (weight version {self._version}): worker call "
+                f"{method!r} failed: {e}"
+            ) from e
 
     async def update_weights(self, method: str, args: tuple, version: str, pause_mode: str) -> dict:
         """One weight update, as a short sequence of named steps; returns their timings.
@@ -314,7 +331,7 @@ class VLLMReplica:
         await self.pause(pause_mode, clear_cache=pause_mode != "keep")  # 1) pause
         t1 = time.perf_counter()
         try:
-            reported = await self.engine.collective_rpc(method, args=tuple(args))  # 2) load
+            reported = await self._worker_call(method, tuple(args))  # 2) load
             t2 = time.perf_counter()
             if any(str(v) != str(version) for v in reported):  # 3) verify
                 raise WeightSyncError(

@@ -209,6 +209,12 @@ class VLLMService:
                 f"model_path={str(model)!r} is not a local directory; pass the folder of a Hugging "
                 "Face model (config.json + weights), e.g. one from testing.make_tiny_model()."
             )
+        if not (Path(model) / "config.json").is_file():
+            # Caught here: vLLM would fail inside each replica, after Ray placed it.
+            raise ConfigurationError(
+                f"model_path={str(model)!r} has no config.json; pass the folder of a Hugging Face "
+                "model (config.json + weights), not its parent or a cache directory."
+            )
         config = ServiceConfig(
             model=str(model),
             num_replicas=n,

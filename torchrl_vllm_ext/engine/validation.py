@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from torchrl_vllm_ext._compat import vllm_engine_api
+from torchrl_vllm_ext._compat import vllm_engine_api, vllm_validation_errors
 from torchrl_vllm_ext.errors import InvalidRequestError
 
 
@@ -94,8 +94,11 @@ def make_sampling_params(params: Any, *, want_logprobs: bool = True):
             raise InvalidRequestError(f"n={n!r} is invalid; it must be a positive integer.")
         try:
             sp = SamplingParams(**params)
-        except (TypeError, ValueError) as e:
-            raise InvalidRequestError(f"invalid sampling parameters {dict(params)}: {e}") from e
+        except (TypeError, *vllm_validation_errors()) as e:
+            # vLLM's own validation error is not a ValueError: catch it by name too.
+            raise InvalidRequestError(
+                f"invalid sampling parameters {dict(params)}: {e}; {_sampling_fix(params)}"
+            ) from e
     elif isinstance(params, SamplingParams):
         sp = params.clone()
     else:
@@ -107,6 +110,20 @@ def make_sampling_params(params: Any, *, want_logprobs: bool = True):
     sp.flat_logprobs = True
     sp.output_kind = RequestOutputKind.FINAL_ONLY
     return sp
+
+
+def _sampling_fix(params: Mapping[str, Any]) -> str:
+    """How to fix a rejected sampling dict: the likely intended field, else the valid range."""
+    import difflib
+
+    _, _, SamplingParams, _, _ = vllm_engine_api()
+    fields = sorted(f for f in SamplingParams.__struct_fields__ if not f.startswith("_"))
+    for key in params:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            return f"{hint}{key!r} is not a vllm.SamplingParams field; use one of {fields}."
+    return "pass values vllm.SamplingParams accepts (its docstring gives each field's range)."
 
 
 def expected_kv_tokens(

@@ -64,12 +64,27 @@ def free_port(host: str) -> int:
 
 
 class BroadcastGroup:
-    """Rank 0 (the trainer) of a group with every replica worker; blocks until all joined."""
+    """Rank 0 (the trainer) of a group with every replica worker; blocks until all joined.
 
-    def __init__(self, backend: str, host: str, port: int, world_size: int, timeout_s: float):
+    ``listener`` is the socket the rendezvous store serves on (from
+    :func:`~torchrl_vllm_ext.weight_sync.worker.listen`, bound to ``host`` only; the
+    store takes it over); without one, ``host:port`` is bound here.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        host: str,
+        port: int,
+        world_size: int,
+        timeout_s: float,
+        listener: socket.socket | None = None,
+    ):
         self.backend = backend
         self.world_size = world_size
-        self._store, self._pg = make_process_group(backend, host, port, world_size, 0, timeout_s)
+        self._store, self._pg = make_process_group(
+            backend, host, port, world_size, 0, timeout_s, listener
+        )
 
     def send(self, buffers: list[torch.Tensor]) -> None:
         device = (

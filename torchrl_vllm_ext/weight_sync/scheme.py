@@ -20,21 +20,21 @@ import ray
 import torch
 
 from torchrl_vllm_ext.engine.replica import PAUSE_MODES
-from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
+from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.broadcast import (
     DEFAULT_BUCKET_BYTES,
     BroadcastGroup,
-    free_port,
     pack,
 )
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
 from torchrl_vllm_ext.weight_sync.storage import SlotWriter
-from torchrl_vllm_ext.weight_sync.worker import header_to_json
+from torchrl_vllm_ext.weight_sync.worker import header_to_json, listen
 
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "broadcast", "storage")
 ROLLOUTS = ("parallel", "rolling")
+_DEATH_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
 @dataclass
@@ -136,6 +136,7 @@ class WeightSyncScheme:
         self._group: BroadcastGroup | None = None
         self._members: tuple = ()
         self._last_update: tuple[str, list[torch.Tensor]] | None = None  # broadcast: for restarts
+        self._loaded_any = False  # whether the push in flight reached a replica's weights
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-sync")
         service.add_restart_hook(self._bring_up_to_date)
         logger.info("weight sync transport: %s (%s)", self.transport, self.reason)
@@ -186,36 +187,100 @@ class WeightSyncScheme:
     def _replicas(self) -> list[tuple[int, object]]:
         return [(rid, self.service.replica_handle(rid)) for rid in self.service.replica_ids]
 
-    @staticmethod
-    def _on_all(replicas, method: str, args: tuple) -> list:
-        """Call a worker-extension method on every worker of every replica."""
-        try:
-            return ray.get([h.collective_rpc.remote(method, args) for _, h in replicas])
-        except ray.exceptions.RayTaskError as e:
+    def _on_all(self, replicas: list, method: str, args: tuple, version: str) -> list:
+        """Call a worker-extension method on every worker of every replica (see :meth:`_gather`)."""
+        refs = [h.collective_rpc.remote(method, args) for _, h in replicas]
+        return list(self._gather(replicas, refs, method, version).values())
+
+    def _gather(
+        self, replicas: list, refs: list, what: str, version: str, allow_none: bool = False
+    ) -> dict[int, object]:
+        """Results of one call per replica, by replica id.
+
+        A replica that died is dropped from ``replicas`` (in place) and the push goes on
+        without it: the service restarts it, and the restart hook, which waits for this
+        push, loads the version the push records. Any other failure is a
+        :class:`WeightSyncError` naming the replica. A broadcast cannot lose a member
+        (the collective would break), so there a death is an error too.
+        """
+        results, dead = {}, []
+        for (rid, _), ref in zip(list(replicas), refs, strict=True):
+            try:
+                results[rid] = ray.get(ref)
+            except _DEATH_ERRORS as e:
+                logger.warning(
+                    "replica %d died during %s of version %s (%s); it restarts at the version "
+                    "this push records",
+                    rid,
+                    what,
+                    version,
+                    type(e).__name__,
+                )
+                dead.append(rid)
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e, ReplicaDeadError):
+                    dead.append(rid)
+                    continue
+                raise WeightSyncError(
+                    f"{what} of version {version} failed on replica {rid}: {e}"
+                ) from e
+        replicas[:] = [(rid, h) for rid, h in replicas if rid not in dead]
+        if dead and self.transport == "broadcast":
+            self._drop_group()
             raise WeightSyncError(
-                f"{method} failed on a replica before any weight was touched: {e}"
-            ) from e
+                f"replica(s) {dead} died during {what} of version {version}; the broadcast "
+                "group is broken, so no replica loaded it. The service restarts the dead "
+                "replica(s); push again."
+            )
+        if not replicas and not allow_none:
+            raise WeightSyncError(
+                f"every replica died during {what} of version {version}; nothing serves it. "
+                "The service restarts them at the previous version; push again."
+            )
+        return results
 
     def _apply(self, replicas, method: str, args: tuple, version: str) -> dict[int, float]:
         def start(handle):
             return handle.update_weights.remote(method, args, version, self.pause_mode)
 
+        self._loaded_any = False
         if self.rollout == "rolling":  # one replica at a time: the others keep serving
-            timings = [ray.get(start(h)) for _, h in replicas]
+            timings = {}
+            for rid, h in list(replicas):
+                one = [(rid, h)]
+                timings.update(self._gather(one, [start(h)], "load", version, allow_none=True))
+                self._loaded_any = bool(timings)
+            replicas[:] = [(rid, h) for rid, h in replicas if rid in timings]
+            if not timings:
+                raise WeightSyncError(
+                    f"every replica died while loading version {version}; nothing serves it. "
+                    "The service restarts them at the previous version; push again."
+                )
         else:
-            timings = ray.get([start(h) for _, h in replicas])
-        return {rid: t["pause_s"] for (rid, _), t in zip(replicas, timings, strict=True)}
+            refs = [start(h) for _, h in replicas]
+            timings = self._gather(replicas, refs, "load", version)
+        self._loaded_any = True
+        return {rid: t["pause_s"] for rid, t in timings.items()}
 
     def _push_storage(self, tensors, version: str, phases: dict) -> dict[int, float]:
         t0 = time.perf_counter()
+        self._loaded_any = False
+        previous = self._writer.published()
         self._writer.write(tensors, version)
         root = str(self._writer.root)
         replicas = self._replicas()
-        # Read and verify the new slot while still generating; only the load pauses.
-        self._on_all(replicas, "stage_weights_from_storage", (root, version))
-        self._wait_staged(replicas, version)
-        t1 = time.perf_counter()
-        pauses = self._apply(replicas, "load_staged_weights", (version,), version)
+        try:
+            # Read and verify the new slot while still generating; only the load pauses.
+            self._on_all(replicas, "stage_weights_from_storage", (root, version), version)
+            self._wait_staged(replicas, version)
+            t1 = time.perf_counter()
+            pauses = self._apply(replicas, "load_staged_weights", (version,), version)
+        except WeightSyncError:
+            if previous is not None and not self._loaded_any:
+                # No replica serves the new slot: publish the last complete version again,
+                # so restarted replicas (which load the published slot) agree with the rest.
+                self._writer.publish(previous)
+            raise
         phases.update(transfer=t1 - t0, apply=time.perf_counter() - t1)
         return pauses
 
@@ -227,7 +292,7 @@ class WeightSyncScheme:
         self._ensure_group(replicas)
         # Workers receive and verify in a background thread while still generating;
         # only the load pauses.
-        self._on_all(replicas, "stage_weight_broadcast", (header_json,))
+        self._on_all(replicas, "stage_weight_broadcast", (header_json,), version)
         try:
             self._group.send(buffers)
         except Exception as e:
@@ -243,7 +308,9 @@ class WeightSyncScheme:
         return pauses
 
     def _wait_staged(self, replicas, version: str) -> None:
-        while not all(all(r) for r in self._on_all(replicas, "staged_weights_ready", (version,))):
+        while not all(
+            all(r) for r in self._on_all(replicas, "staged_weights_ready", (version,), version)
+        ):
             time.sleep(0.005)
 
     # ------------------------------------------------------------------ group
@@ -253,7 +320,8 @@ class WeightSyncScheme:
 
     def _form_group(self, handles) -> BroadcastGroup:
         host = ray.util.get_node_ip_address()
-        port = free_port(host)
+        listener = listen(host)  # bound before the workers are told its port: no race
+        port = listener.getsockname()[1]
         n = self._workers_per_replica()
         world = 1 + n * len(handles)
         refs = [
@@ -263,7 +331,7 @@ class WeightSyncScheme:
             )
             for i, h in enumerate(handles)
         ]
-        group = BroadcastGroup(self.backend, host, port, world, self.timeout_s)
+        group = BroadcastGroup(self.backend, host, port, world, self.timeout_s, listener)
         ray.get(refs)
         return group
 
@@ -286,10 +354,12 @@ class WeightSyncScheme:
     # ------------------------------------------------------------------ restarts
     async def _bring_up_to_date(self, service, rid: int) -> None:
         """Restart hook: load the current weights into a new replica before it serves."""
-        if self.version is None or service.weight_source is not self:
-            return  # another scheme (or set_weight_version) produced the live weights
+        # Under the lock: a push in flight (perhaps the one this replica died in) records
+        # its version first, and this replica then loads that version.
         await asyncio.to_thread(self._lock.acquire)
         try:
+            if self.version is None or service.weight_source is not self:
+                return  # another scheme (or set_weight_version) produced the live weights
             handle = service.replica_handle(rid)
             if self.transport == "storage":
                 await handle.collective_rpc.remote(

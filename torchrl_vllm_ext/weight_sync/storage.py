@@ -127,7 +127,23 @@ class SlotWriter:
             for (k, t), s in zip(tensors.items(), sums, strict=True)
         )
         manifest = SlotManifest(version=str(version), slot=idle, tensors=specs)
-        # 3) publish atomically: write, fsync, rename over current.json
+        # 3) publish atomically
+        self.publish(manifest)
+        return manifest
+
+    def published(self) -> SlotManifest | None:
+        """The manifest readers see now (None before the first publish)."""
+        try:
+            return read_published(self.root)[0]
+        except WeightSyncError:
+            return None
+
+    def publish(self, manifest: SlotManifest) -> None:
+        """Point readers at ``manifest``'s slot: write, fsync, rename over ``current.json``.
+
+        Also rolls a failed push back: re-publishing the previous manifest is safe
+        because a write only ever fills the other slot.
+        """
         tmp = self.root / f".{CURRENT}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
@@ -136,8 +152,9 @@ class SlotWriter:
             os.fsync(fh.fileno())
         os.replace(tmp, self.root / CURRENT)
         _fsync_dir(self.root)
-        logger.debug("published version %s in slot %s of %s", version, idle, self.root)
-        return manifest
+        logger.debug(
+            "published version %s in slot %s of %s", manifest.version, manifest.slot, self.root
+        )
 
 
 class SlotReader:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 from datetime import timedelta
 
@@ -62,17 +63,32 @@ def unpack(bucket: BucketSpec, buffer: torch.Tensor) -> list[tuple[str, torch.Te
 
 
 def make_process_group(
-    backend: str, host: str, port: int, world_size: int, rank: int, timeout_s: float
+    backend: str,
+    host: str,
+    port: int,
+    world_size: int,
+    rank: int,
+    timeout_s: float,
+    listener: socket.socket | None = None,
 ):
     """A process group outside torch.distributed's global state (the worker has its own).
 
-    The only difference between the GPU and CPU paths is the backend class.
+    Rank 0 serves the rendezvous store on ``listener``, a socket bound to ``host``
+    (bound here when not given), which the store takes over. The only difference
+    between the GPU and CPU paths is the backend class.
     """
     import torch.distributed as dist
 
-    store = dist.TCPStore(
-        host, port, world_size, is_master=(rank == 0), timeout=timedelta(seconds=timeout_s)
-    )
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        # NOTE: TCPStore alone listens on every interface; on a socket bound to ``host``
+        # (loopback on one machine) the store is reachable from the group's hosts only.
+        listener = listener if listener is not None else listen(host, port)
+        # The store closes the descriptor when it goes: hand it over.
+        fd = listener.detach()
+        store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd)
+    else:
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     if backend == "nccl":
         pg = dist.ProcessGroupNCCL(store, rank, world_size)
     elif backend == "gloo":
@@ -82,6 +98,16 @@ def make_process_group(
             f"broadcast backend {backend!r} is not supported; use 'gloo' or 'nccl'."
         )
     return store, pg
+
+
+def listen(host: str, port: int = 0) -> socket.socket:
+    """A listening TCP socket bound to ``host`` only (``port`` 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
 
 
 class WeightSyncWorkerExtension:
@@ -199,7 +225,20 @@ class WeightSyncWorkerExtension:
         received = []
         for bucket in header.buckets:
             buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._tvllm_device)
-            group[1].broadcast(buf, 0).wait()
+            try:
+                group[1].broadcast(buf, 0).wait()
+            except Exception as e:  # the trainer died or stalled past the group's timeout
+                # The group is unusable now; the next push forms a new one.
+                if getattr(self, "_tvllm_group", None) is group:
+                    self._tvllm_group = None
+                error = WeightSyncError(
+                    f"broadcast of weight version {header.version} was cut off after "
+                    f"{len(received)} of {len(header.buckets)} buckets ({type(e).__name__}: "
+                    f"{e}); nothing was loaded, this worker keeps serving its previous weights. "
+                    "Push again: the next push forms a new group."
+                )
+                logger.error("%s", error)
+                raise error from e
             received.append((bucket, buf))
         for i, (bucket, buf) in enumerate(received):
             got = checksum(buf.cpu())
