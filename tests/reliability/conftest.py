@@ -1,0 +1,224 @@
+"""One service for the fault, load, bad-input and security tests of this directory.
+
+The fixtures are package-scoped: the service (2 replicas, the integration tests'
+engine settings) lives while these modules run and is shut down when they are done.
+Ray is started through the package (``cluster.ensure_ray``, loopback only) unless a
+cluster is already up, which is then reused and left running.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from dataclasses import dataclass, field
+
+import psutil
+import pytest
+import ray
+import torch
+
+from torchrl_vllm_ext import VLLMService, WeightSyncScheme
+from torchrl_vllm_ext.engine import cluster
+from torchrl_vllm_ext.errors import TorchRLVLLMError
+from torchrl_vllm_ext.testing import make_tiny_model
+
+from ..integration.conftest import CPUS_PER_REPLICA, ENGINE_KWARGS, hf_token_logprobs, wait_until
+
+NUM_REPLICAS = 2
+SEQUENCE = list(range(5, 45))  # the fixed sequence the exactness checks score
+RESTART_TIMEOUT = 300.0  # generous: a restart is ~30 s on 2 shared cores
+
+
+@pytest.fixture(scope="package")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "qwen2", arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="package")
+def ray_cluster():
+    owns = cluster.ensure_ray(num_cpus=4)
+    yield
+    if owns:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="package")
+def service(tiny_model, ray_cluster):
+    svc = VLLMService.launch(
+        tiny_model,
+        num_replicas=NUM_REPLICAS,
+        cpus_per_replica=CPUS_PER_REPLICA,
+        health_check_interval=1.0,
+        **ENGINE_KWARGS,
+    )
+    yield svc
+    svc.shutdown()
+
+
+@pytest.fixture(scope="package")
+def trainer(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="package")
+def scheme(service):
+    """The storage scheme whose pushes are live (restarted replicas load its version)."""
+    s = WeightSyncScheme(service, transport="storage")
+    yield s
+    s.close()
+
+
+# ---------------------------------------------------------------------------- helpers
+def wait_ready(service, n: int = NUM_REPLICAS) -> None:
+    """Wait until ``n`` replicas serve (a killed one is back)."""
+    wait_until(
+        lambda: service.num_replicas >= n,
+        RESTART_TIMEOUT,
+        interval=0.5,
+        what=f"{n} ready replicas",
+    )
+
+
+def perturb(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def replica_logprobs(service, ids=SEQUENCE) -> dict[int, tuple[torch.Tensor, str]]:
+    """Score ``ids`` on every replica; {replica_id: (log-probs of ids[1:], weight version)}."""
+    n = service.num_replicas
+    data = service.generate_batch(
+        [ids] * n, {"max_tokens": 1, "prompt_logprobs": 0}, routing="round_robin"
+    )
+    assert {d.replica_id for d in data} == set(service.replica_ids)
+    return {d.replica_id: (torch.tensor(d.prompt_logprobs[1:]), d.weight_version_end) for d in data}
+
+
+def assert_replicas_match(service, model, version: str, tol: float = 1e-4) -> None:
+    """Every replica serves ``version`` and its log-probs equal ``model``'s."""
+    ref = hf_token_logprobs(model, SEQUENCE)
+    for rid, (got, served) in replica_logprobs(service).items():
+        assert served == version, f"replica {rid} serves version {served}, expected {version}"
+        worst = (got - ref).abs().max().item()
+        assert worst < tol, f"replica {rid}: max |replica - trainer| log-prob = {worst:.2e}"
+    assert set(service.weight_versions().values()) == {version}
+
+
+def replica_pids(service, rid: int) -> tuple[int, int | None]:
+    """(actor pid, engine-core pid) of a replica."""
+    actor = service.replica_info(rid).pid
+    children = psutil.Process(actor).children(recursive=True)
+    engine = next((p.pid for p in children if "EngineCore" in _name(p)), None)
+    return actor, engine
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name() + " " + " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def kill_replica(service, rid: int, rng: random.Random) -> tuple[int, str]:
+    """SIGKILL the actor or the engine-core process of replica ``rid``; returns (old actor pid, what)."""
+    actor, engine = replica_pids(service, rid)
+    what = rng.choice(["actor", "engine"]) if engine is not None else "actor"
+    os.kill(actor if what == "actor" else engine, signal.SIGKILL)
+    return actor, what
+
+
+def wait_restarted(service, rid: int, old_pid: int) -> None:
+    wait_until(
+        lambda: rid in service.replica_ids and service.replica_info(rid).pid != old_pid,
+        RESTART_TIMEOUT,
+        interval=0.2,
+        what=f"replica {rid} to restart",
+    )
+
+
+def service_rss(service) -> int:
+    """Resident bytes of the driver plus every replica actor and its engine processes."""
+    procs = [psutil.Process()]
+    for rid in service.replica_ids:
+        actor = psutil.Process(service.replica_info(rid).pid)
+        procs += [actor, *actor.children(recursive=True)]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    return [[7 + seed % 50, 8, 9, 10 + i % 100, 11 + i % 100] for i in range(n)]
+
+
+@dataclass
+class Traffic:
+    """Client threads that keep sending batches until stopped, recording every outcome.
+
+    Every call returns (a full answer, checked by :meth:`check`) or raises; a call that
+    never returns would hang :meth:`stop`, which turns a lost request into a failure.
+    """
+
+    service: object
+    threads: int = 3
+    batch: int = 12
+    params: dict = field(default_factory=lambda: {"max_tokens": 24, "ignore_eos": True})
+    outcomes: list = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _workers: list = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    sent: int = 0
+
+    def start(self) -> Traffic:
+        for i in range(self.threads):
+            t = threading.Thread(target=self._run, args=(i,), daemon=True)
+            t.start()
+            self._workers.append(t)
+        return self
+
+    def _run(self, i: int) -> None:
+        k = 0
+        while not self._stop.is_set():
+            batch = prompts(self.batch, seed=31 * i + k)
+            k += 1
+            with self._lock:
+                self.sent += 1
+            try:
+                self.outcomes.append((batch, self.service.generate_batch(batch, self.params)))
+            except BaseException as e:
+                self.outcomes.append((batch, e))
+
+    def stop(self, timeout: float = RESTART_TIMEOUT * 2) -> None:
+        self._stop.set()
+        for t in self._workers:
+            t.join(timeout)
+            assert not t.is_alive(), "a client call never returned (a request was lost)"
+
+    def check(self, full_length: bool = True) -> tuple[int, int]:
+        """Every call answered every prompt in order, or raised a typed error; (ok, errors)."""
+        assert len(self.outcomes) == self.sent, "every sent batch has an outcome"
+        ok = errors = 0
+        for batch, out in self.outcomes:
+            if isinstance(out, BaseException):
+                assert isinstance(out, TorchRLVLLMError), f"untyped error: {out!r}"
+                errors += 1
+                continue
+            assert [d.prompt_token_ids.tolist() for d in out] == batch
+            for d in out:
+                s = d.samples[0]
+                if full_length:
+                    assert len(s.token_ids) == self.params["max_tokens"], s.finish_reason
+                else:  # a sync with pause_mode="abort" may end requests early
+                    assert s.finish_reason in ("length", "abort"), s.finish_reason
+            ok += 1
+        return ok, errors
