@@ -208,7 +208,7 @@ class OutputDir:
     Examples:
         >>> from torchrl_vllm_ext.jobs.generate_store import Layout, OutputDir
         >>> layout = Layout(rows=2, samples=1, prompt_width=3, max_tokens=4)
-        >>> out = OutputDir.open("/tmp/gen-out", layout, {"input": "..."})  # doctest: +SKIP
+        >>> out = OutputDir.open("gen-out", layout, {"input": "..."})  # doctest: +SKIP
         >>> out.remaining(chunk_size=64)  # doctest: +SKIP
         [(0, 2)]
     """
