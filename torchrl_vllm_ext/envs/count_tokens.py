@@ -54,29 +54,6 @@ class TokenCountEnv(TokenTaskEnv):
         [1.0, 1.0]
     """
 
-    def __init__(
-        self,
-        batch_size: tuple[int, ...] | torch.Size = (1,),
-        *,
-        prompt_len: int = 4,
-        answer_len: int = 4,
-        low: int = 5,
-        high: int = 15,
-        group_size: int = 1,
-        seed: int = 0,
-        sample_seeds: bool = False,
-    ):
-        super().__init__(
-            batch_size,
-            prompt_len=prompt_len,
-            answer_len=answer_len,
-            low=low,
-            high=high,
-            group_size=group_size,
-            seed=seed,
-            sample_seeds=sample_seeds,
-        )
-
     def draw(self, n: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         span = self.high - self.low
         start = torch.randint(0, span, (n, 1), generator=generator)

@@ -38,18 +38,28 @@ class TokenTaskEnv(EnvBase):
     then reproducible whatever replica serves each row.
 
     Subclasses implement :meth:`draw` and :meth:`score`.
+
+    Args:
+        batch_size: rows per reset (env batch).
+        prompt_len: ids in each prompt.
+        answer_len: ids in each answer (and the response length that is scored).
+        low: smallest id of the task's alphabet.
+        high: one past the largest id of the alphabet.
+        group_size: consecutive rows that share a prompt.
+        seed: seed of the prompt generator.
+        sample_seeds: also write a per-row ``"seed"`` for the policy's sampling.
     """
 
     answer_len: int
 
     def __init__(
         self,
-        batch_size: tuple[int, ...] | torch.Size,
+        batch_size: tuple[int, ...] | torch.Size = (1,),
         *,
-        prompt_len: int,
-        answer_len: int,
-        low: int,
-        high: int,
+        prompt_len: int = 4,
+        answer_len: int = 4,
+        low: int = 5,
+        high: int = 15,
         group_size: int = 1,
         seed: int = 0,
         sample_seeds: bool = False,

@@ -62,9 +62,11 @@ def read_tokens(
         if pad_token_id is not None and bool((tokens == pad_token_id).any()):
             raise InvalidRequestError(
                 f"{key_str(key)} is a padded tensor of shape {tuple(value.shape)} that contains the "
-                f"pad id {pad_token_id}, and no attention mask was found under "
-                f"{key_str(mask_key)}. Put a bool mask (True = real token, same shape) there, or "
-                "pass ragged tokens (a lazy stack or a nested tensor) instead."
+                f"pad id {pad_token_id}, and no attention mask of that shape was found under "
+                f"{key_str(mask_key)} (a mask of another shape there is an earlier output's, "
+                "e.g. after reusing a TensorDict a policy already wrote into). Put a bool mask "
+                "(True = real token, same shape) there, or pass ragged tokens (a lazy stack or "
+                "a nested tensor) instead."
             )
         return list(tokens.numpy().astype(np.int64, copy=False))
     mask = mask.reshape(tokens.shape).bool()
