@@ -13,9 +13,10 @@ SIGKILLed mid-publish, and a concurrent load phase, on two replicas of a tiny mo
 * load: ~1,300 concurrent requests through ``agenerate_batch`` and ``VLLMPolicy.aforward``;
   requests/s and the resident memory of driver + replicas at the start and the end.
 
-    python benchmarks/bench_faults.py [--quick]
+    python benchmarks/bench_faults.py [--quick] [--json out.json]
 
-Prints one JSON object.
+Prints one JSON object, on the last line of stdout (the killed replicas' logs come
+before it through Ray); ``--json`` also writes it to a file.
 """
 
 from __future__ import annotations
@@ -65,20 +66,28 @@ def replica_pids(svc, rid: int) -> tuple[int, int | None]:
     return actor, None
 
 
-def rss_bytes(svc) -> int:
+def rss_by_role(svc) -> dict[str, int]:
+    """Resident bytes of the driver, the replica actors and their engine processes."""
     import psutil
 
-    procs = [psutil.Process()]
+    roles = {"driver": [psutil.Process()], "actors": [], "engines": []}
     for rid in svc.replica_ids:
         actor = psutil.Process(svc.replica_info(rid).pid)
-        procs += [actor, *actor.children(recursive=True)]
-    total = 0
-    for p in procs:
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
+        roles["actors"].append(actor)
+        roles["engines"] += actor.children(recursive=True)
+    out = {}
+    for role, procs in roles.items():
+        out[role] = 0
+        for p in procs:
+            try:
+                out[role] += p.memory_info().rss
+            except psutil.Error:
+                pass
+    return out
+
+
+def rss_bytes(svc) -> int:
+    return sum(rss_by_role(svc).values())
 
 
 def wait_for(predicate, timeout: float) -> bool:
@@ -311,11 +320,23 @@ def main(args) -> dict:
         # 3) load
         policy = VLLMPolicy(svc, sampling_params={"max_tokens": 4, "ignore_eos": True})
         asyncio.run(_load(svc, policy, 2.0))  # warm-up
-        rss_start = rss_bytes(svc)
+        roles_start = rss_by_role(svc)
+        rss_start = sum(roles_start.values())
+        samples, sampling = [], threading.Event()
+
+        def sample_rss():  # the trend over the run, not only its two ends
+            while not sampling.wait(args.load_seconds / 10):
+                samples.append(round(rss_bytes(svc) / 1e6))
+
+        sampler = threading.Thread(target=sample_rss, daemon=True)
+        sampler.start()
         t0 = time.perf_counter()
         n = asyncio.run(_load(svc, policy, args.load_seconds))
         elapsed = time.perf_counter() - t0
-        rss_end = rss_bytes(svc)
+        sampling.set()
+        sampler.join()
+        roles_end = rss_by_role(svc)
+        rss_end = sum(roles_end.values())
         result["load"] = {
             "seconds": round(elapsed, 1),
             "requests": n,
@@ -323,6 +344,10 @@ def main(args) -> dict:
             "concurrent_requests": 32 * 32 + 16 * 16,
             "rss_mb_start": round(rss_start / 1e6),
             "rss_mb_end": round(rss_end / 1e6),
+            "rss_mb_during": samples,
+            "rss_mb_by_role": {
+                k: [round(roles_start[k] / 1e6), round(roles_end[k] / 1e6)] for k in roles_start
+            },
         }
     # 4) storage writers killed mid-publish (no vLLM)
     result.update(writer_kills(args.writer_rounds))
@@ -337,8 +362,13 @@ if __name__ == "__main__":
     parser.add_argument("--writer-rounds", type=int, default=10)
     parser.add_argument("--load-seconds", type=float, default=60.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="also write the JSON object to this file")
     args = parser.parse_args()
     if args.quick:
         args.kills, args.sync_kills, args.writer_rounds, args.load_seconds = 2, 1, 2, 15.0
     logging.basicConfig(level=logging.ERROR)
-    print(json.dumps(main(args), indent=2))
+    result = main(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    # One line, last: the killed replicas' logs reach this process's stdout through Ray.
+    print(json.dumps(result), flush=True)

@@ -139,9 +139,7 @@ def stale_version(c: Ctx):
 
 def scribbled_slot(c: Ctx):
     root = c.slots("scribbled")
-    from tensordict import TensorDict as TD
-
-    TD.load_memmap(root / "slot-A", mode="r+")["w"].add_(1)
+    TensorDict.load_memmap(root / "slot-A", mode="r+")["w"].add_(1)
     c.worker_load(root)
 
 
