@@ -1,4 +1,4 @@
-"""Bad input across the service, launch, policy and weight sync, one row per kind.
+"""Bad input across the service, launch, policy, weight sync and CLI, one row per kind.
 
 Each row gets a typed error whose message names the bad value and says what to do,
 and the service answers the next valid request.
@@ -62,6 +62,20 @@ class Ctx:
         handle = self.service.replica_handle(self.service.replica_ids[0])
         ray.get(handle.collective_rpc.remote("load_weights_from_storage", (str(path), version)))
 
+    def generate(self, *, model=None, input=None, output=None, lines=('{"prompt": "hi"}',)):
+        """``torchrl-vllm generate`` on this service; raises what the command reports."""
+        from torchrl_vllm_ext.cli import build_parser
+        from torchrl_vllm_ext.jobs import generate
+
+        if input is None:
+            input = self.tmp / f"in-{len(list(self.tmp.iterdir()))}.jsonl"
+            input.write_text("\n".join(lines) + "\n")
+        output = output if output is not None else self.tmp / f"out-{len(list(self.tmp.iterdir()))}"
+        argv = ["generate", "--model", str(model or self.service.config.model)]
+        argv += ["--input", str(input), "--output", str(output), "--max-tokens", "2"]
+        args = build_parser().parse_args([*argv, "--no-progress"])
+        return generate._run(args, self.service)
+
     def slots(self, name: str) -> Path:
         root = self.tmp / name
         SlotWriter(root).write({"w": torch.ones(4)}, "1")
@@ -106,6 +120,20 @@ def int_dtype(c: Ctx):
     sd = c.state()
     sd["model.norm.weight"] = sd["model.norm.weight"].long()
     return sd
+
+
+def output_is_a_file(c: Ctx):
+    (c.tmp / "a-file").write_text("not a directory")
+    c.generate(output=c.tmp / "a-file")
+
+
+def output_entry_links_outside(c: Ctx):
+    from torchrl_vllm_ext.jobs.generate_store import PROGRESS
+
+    out = c.tmp / "linked-out"
+    out.mkdir()
+    (out / PROGRESS).symlink_to(c.tmp / "elsewhere.json")
+    c.generate(output=out)
 
 
 def corrupt_manifest(c: Ctx):
@@ -241,6 +269,19 @@ CASES = [
     ("sync: stale version", stale_version, WeightSyncError, "publishes version '1', expected '999'"),
     ("sync: slot modified after publishing", scribbled_slot,
      WeightSyncError, "checksum mismatch for 'w'"),
+    # ---- CLI: torchrl-vllm generate
+    ("cli: missing input file", lambda c: c.generate(input=c.tmp / "nowhere.jsonl"),
+     ConfigurationError, "--input '.*nowhere.jsonl' does not exist"),
+    ("cli: model path without config.json", lambda c: c.generate(model=c.tmp),
+     ConfigurationError, "--model '.*' is not a model directory"),
+    ("cli: malformed JSONL line", lambda c: c.generate(lines=('{"prompt": "ok"}', "{not json")),
+     InvalidRequestError, "line 2 is not valid JSON"),
+    ("cli: line without a prompt", lambda c: c.generate(lines=('{"promt": "typo"}',)),
+     InvalidRequestError, "line 1 must have exactly one of"),
+    ("cli: output path is a file", output_is_a_file,
+     ConfigurationError, "--output '.*a-file' exists and is not a directory"),
+    ("cli: output entry links outside the output dir", output_entry_links_outside,
+     ConfigurationError, "progress.json' is a symbolic link"),
 ]  # fmt: skip
 
 
