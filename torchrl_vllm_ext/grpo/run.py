@@ -143,6 +143,9 @@ def run_grpo(
         updater = WeightSyncUpdater(scheme)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # TorchRL's legacy updater path
+            # A one-step env needs no InitTracker, whatever TorchRL 0.14 guesses for any
+            # nn.Module policy (LLMCollector does not take auto_register_policy_transforms).
+            warnings.filterwarnings("ignore", "The env passed to LLMCollector is missing")
             collector = LLMCollector(
                 env,
                 policy=policy,
