@@ -26,20 +26,18 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    # Logical CPUs beyond the 2 physical cores let fractional replicas scale in tests.
-    ray.init(
-        num_cpus=4,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env={
-            "env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_LOGGING_LEVEL": "WARNING"}
-        },
-    )
+    # The package's own start-up: loopback only. Logical CPUs beyond the 2 physical cores
+    # let fractional replicas scale in tests.
+    from torchrl_vllm_ext.engine import cluster
+
+    owns = cluster.ensure_ray(num_cpus=4)
     yield
-    ray.shutdown()
+    if owns:
+        ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+# Package scope: the engines are gone before tests/reliability launches its own.
+@pytest.fixture(scope="package")
 def service(tiny_model, ray_cluster):
     svc = VLLMService.launch(
         tiny_model,
