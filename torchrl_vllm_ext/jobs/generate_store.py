@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from torchrl_vllm_ext._files import fsync_path
 from torchrl_vllm_ext.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
@@ -176,24 +177,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: str) -> None:
-    # fsync of the file also writes back the pages dirtied through its shared mapping.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path.parent)
 
 
 # ---------------------------------------------------------------------------- the directory
@@ -341,7 +325,7 @@ class OutputDir:
             target[lo:hi] = value
             files.append(target.filename)
         for name in files:
-            _fsync_file(name)
+            fsync_path(name)  # also the pages written through the memmap
         # 2) the chunk's strings
         for name, values in strings.items():
             if len(values) != hi - lo:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
+from torchrl_vllm_ext._files import fsync_path
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.messages import SlotManifest, TensorSpec
 from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name
@@ -41,12 +42,8 @@ def _key(name: str) -> str:
     return name.replace(".", "__")
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+# A module global, so the writer-kill tests can cut a publish at this step.
+_fsync_dir = fsync_path
 
 
 def _private(path: Path) -> None:
