@@ -34,3 +34,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="gpu: no CUDA device"))
         if "/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from torchrl_vllm_ext.testing import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "qwen2", arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Ray through the package's own start-up: loopback only. Logical CPUs beyond the 2
+    physical cores let fractional replicas scale in tests."""
+    import ray
+
+    from torchrl_vllm_ext.engine import cluster
+
+    owns = cluster.ensure_ray(num_cpus=4)
+    yield
+    if owns:
+        ray.shutdown()

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
 from torchrl_vllm_ext import VLLMService
-from torchrl_vllm_ext.testing import make_tiny_model
 
 # Small and exact: fp32 so replica log-probs can be compared with transformers'.
 ENGINE_KWARGS = {
@@ -17,23 +15,6 @@ ENGINE_KWARGS = {
     "kv_cache_memory_bytes": 64 << 20,
 }
 CPUS_PER_REPLICA = 0.5
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "qwen2", arch="qwen2", seed=0)
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    # The package's own start-up: loopback only. Logical CPUs beyond the 2 physical cores
-    # let fractional replicas scale in tests.
-    from torchrl_vllm_ext.engine import cluster
-
-    owns = cluster.ensure_ray(num_cpus=4)
-    yield
-    if owns:
-        ray.shutdown()
 
 
 # Package scope: the engines are gone before tests/reliability launches its own.
@@ -85,6 +66,19 @@ def grpo_backward(model, tokenizer, data, pad_output: bool) -> None:
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     model.zero_grad()
+
+
+SEQUENCE = list(range(5, 45))  # the fixed sequence the exactness checks score
+
+
+def replica_logprobs(service, ids=SEQUENCE) -> dict[int, tuple[torch.Tensor, str]]:
+    """Score ``ids`` on every replica; {replica_id: (log-probs of ids[1:], weight version)}."""
+    n = service.num_replicas
+    data = service.generate_batch(
+        [ids] * n, {"max_tokens": 1, "prompt_logprobs": 0}, routing="round_robin"
+    )
+    assert {d.replica_id for d in data} == set(service.replica_ids)
+    return {d.replica_id: (torch.tensor(d.prompt_logprobs[1:]), d.weight_version_end) for d in data}
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):

@@ -11,9 +11,14 @@ from transformers import AutoModelForCausalLM
 
 from torchrl_vllm_ext import ConfigurationError, VLLMService, WeightSyncError, WeightSyncScheme
 
-from .conftest import CPUS_PER_REPLICA, ENGINE_KWARGS, hf_token_logprobs, wait_until
-
-SEQUENCE = list(range(5, 45))  # the fixed sequence every check scores
+from .conftest import (
+    CPUS_PER_REPLICA,
+    ENGINE_KWARGS,
+    SEQUENCE,
+    hf_token_logprobs,
+    replica_logprobs,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +46,6 @@ def perturb(model, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-
-
-def replica_logprobs(service, ids=SEQUENCE):
-    """Score ``ids`` on every replica; {replica_id: (log-probs of ids[1:], weight version)}."""
-    n = service.num_replicas
-    data = service.generate_batch(
-        [ids] * n, {"max_tokens": 1, "prompt_logprobs": 0}, routing="round_robin"
-    )
-    assert {d.replica_id for d in data} == set(service.replica_ids)
-    return {d.replica_id: (torch.tensor(d.prompt_logprobs[1:]), d.weight_version_end) for d in data}
 
 
 def assert_replicas_match(service, model, version: str, tol: float = 1e-4) -> float:

@@ -2,8 +2,8 @@
 
 The fixtures are package-scoped: the service (2 replicas, the integration tests'
 engine settings) lives while these modules run and is shut down when they are done.
-Ray is started through the package (``cluster.ensure_ray``, loopback only) unless a
-cluster is already up, which is then reused and left running.
+The tiny model and Ray (``cluster.ensure_ray``, loopback only) are the session fixtures
+of ``tests/conftest.py``, shared with the integration tests.
 """
 
 from __future__ import annotations
@@ -16,32 +16,22 @@ from dataclasses import dataclass, field
 
 import psutil
 import pytest
-import ray
 import torch
 
 from torchrl_vllm_ext import VLLMService, WeightSyncScheme
-from torchrl_vllm_ext.engine import cluster
 from torchrl_vllm_ext.errors import TorchRLVLLMError
-from torchrl_vllm_ext.testing import make_tiny_model
 
-from ..integration.conftest import CPUS_PER_REPLICA, ENGINE_KWARGS, hf_token_logprobs, wait_until
+from ..integration.conftest import (
+    CPUS_PER_REPLICA,
+    ENGINE_KWARGS,
+    SEQUENCE,
+    hf_token_logprobs,
+    replica_logprobs,
+    wait_until,
+)
 
 NUM_REPLICAS = 2
-SEQUENCE = list(range(5, 45))  # the fixed sequence the exactness checks score
 RESTART_TIMEOUT = 300.0  # generous: a restart is ~30 s on 2 shared cores
-
-
-@pytest.fixture(scope="package")
-def tiny_model(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "qwen2", arch="qwen2", seed=0)
-
-
-@pytest.fixture(scope="package")
-def ray_cluster():
-    owns = cluster.ensure_ray(num_cpus=4)
-    yield
-    if owns:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="package")
@@ -88,16 +78,6 @@ def perturb(model, seed: int) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-
-
-def replica_logprobs(service, ids=SEQUENCE) -> dict[int, tuple[torch.Tensor, str]]:
-    """Score ``ids`` on every replica; {replica_id: (log-probs of ids[1:], weight version)}."""
-    n = service.num_replicas
-    data = service.generate_batch(
-        [ids] * n, {"max_tokens": 1, "prompt_logprobs": 0}, routing="round_robin"
-    )
-    assert {d.replica_id for d in data} == set(service.replica_ids)
-    return {d.replica_id: (torch.tensor(d.prompt_logprobs[1:]), d.weight_version_end) for d in data}
 
 
 def assert_replicas_match(service, model, version: str, tol: float = 1e-4) -> None:
