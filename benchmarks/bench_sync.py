@@ -52,8 +52,7 @@ def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
     """One header RPC to every replica plus one broadcast, per parameter."""
     import ray
 
-    from torchrl_vllm_ext.weight_sync.broadcast import pack
-    from torchrl_vllm_ext.weight_sync.worker import header_to_json
+    from torchrl_vllm_ext.weight_sync.broadcast import header_to_json, pack
 
     replicas = scheme._replicas()
     scheme._ensure_group(replicas)

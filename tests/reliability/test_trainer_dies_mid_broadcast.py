@@ -18,9 +18,8 @@ import pytest
 import ray
 
 from torchrl_vllm_ext import WeightSyncError, WeightSyncScheme
-from torchrl_vllm_ext.weight_sync.broadcast import free_port, pack
+from torchrl_vllm_ext.weight_sync.broadcast import free_port, header_to_json, pack
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
-from torchrl_vllm_ext.weight_sync.worker import header_to_json
 
 from .conftest import assert_replicas_match, perturb, replica_logprobs, wait_ready, wait_until
 

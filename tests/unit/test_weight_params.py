@@ -8,9 +8,8 @@ from transformers import AutoModelForCausalLM
 
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.testing import make_tiny_model
-from torchrl_vllm_ext.weight_sync.broadcast import pack
+from torchrl_vllm_ext.weight_sync.broadcast import header_from_json, header_to_json, pack, unpack
 from torchrl_vllm_ext.weight_sync.params import checksum, expected_specs, named_tensors, validate
-from torchrl_vllm_ext.weight_sync.worker import header_from_json, header_to_json, unpack
 
 
 @pytest.fixture(scope="module")

@@ -105,8 +105,8 @@ class VLLMReplica:
         model: local model path.
         engine_kwargs: keyword arguments of vLLM's ``AsyncEngineArgs``.
         weight_version: version label the engine starts with.
-        omp_threads: OpenMP threads of the engine's CPU worker; None lets vLLM choose
-            (all cores for the model worker, one for the engine core), as in-process.
+        env: environment of the engine's processes (None: unset), which inherit this
+            actor's; see :func:`torchrl_vllm_ext.engine.cluster.process_env`.
     """
 
     def __init__(
@@ -115,14 +115,13 @@ class VLLMReplica:
         model: str,
         engine_kwargs: dict,
         weight_version: str,
-        omp_threads: int | None = None,
+        env: dict[str, str | None] | None = None,
     ):
-        # Ray sets OMP_NUM_THREADS for every worker; vLLM's processes inherit it, and an
-        # externally set value makes vLLM keep that many spinning threads in the engine core.
-        if omp_threads is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = str(omp_threads)
+        for key, value in (env or {}).items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         self.replica_id = replica_id
         self._model = model
         self._engine_kwargs = dict(engine_kwargs)
@@ -312,6 +311,19 @@ class VLLMReplica:
                 f"replica {self.replica_id} (weight version {self._version}): worker call "
                 f"{method!r} failed: {e}"
             ) from e
+
+    async def stage_storage(self, root: str, version: str) -> str:
+        """Read and checksum the published storage slot ``version`` while generation goes on.
+
+        Runs in this actor, not in the engine: a worker call would hold up the engine's
+        steps. The workers then load it in the pause without checksumming it again.
+        """
+        from torchrl_vllm_ext.weight_sync.storage import SlotReader
+
+        readers = self.__dict__.setdefault("_slot_readers", {})
+        reader = readers.setdefault(root, SlotReader(root))
+        manifest, _ = await asyncio.to_thread(reader.read, version)
+        return manifest.version
 
     async def update_weights(self, method: str, args: tuple, version: str, pause_mode: str) -> dict:
         """One weight update, as a short sequence of named steps; returns their timings.

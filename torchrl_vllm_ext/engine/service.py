@@ -270,7 +270,7 @@ class VLLMService:
                 self.config.model,
                 cluster.engine_kwargs(self._res, self.config),
                 self._weight_version,
-                cluster.omp_threads(self._res),
+                cluster.process_env(self._res),
             )
         )
         rep.info = await asyncio.wait_for(rep.actor.start.remote(), self.config.startup_timeout)

@@ -111,9 +111,12 @@ def named_tensors(weights) -> dict[str, torch.Tensor]:
 
 
 def validate(
-    weights: dict[str, torch.Tensor], expected: dict[str, TensorSpec]
+    weights: dict[str, torch.Tensor], expected: dict[str, TensorSpec], check_finite: bool = True
 ) -> dict[str, torch.Tensor]:
     """Check names, shapes and finiteness; return the tensors to send, in the checkpoint's order.
+
+    ``check_finite=False`` leaves :func:`require_finite` to the caller (the storage
+    writer runs it in its copy pass).
 
     Names that the checkpoint lacks are dropped only when they alias a tensor that is
     sent, or are the LM head of a checkpoint that stores none (tied embeddings).
@@ -142,12 +145,18 @@ def validate(
             )
         if t.dtype not in _DTYPES.values():
             raise WeightSyncError(f"parameter {name!r} has dtype {t.dtype}; use a floating dtype.")
-        # min and max are finite iff every element is (NaN propagates): one reduction pass,
-        # ~10x cheaper than materialising isfinite's boolean mask.
-        if t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
-            raise WeightSyncError(
-                f"parameter {name!r} contains NaN or inf; the push was rejected and the replicas "
-                "keep their weights. Check the training step that produced it."
-            )
+        if check_finite:
+            require_finite(name, t)
         out[name] = t
     return out
+
+
+def require_finite(name: str, t: torch.Tensor) -> None:
+    """Raise :class:`WeightSyncError` naming ``name`` if ``t`` holds NaN or inf."""
+    # min and max are finite iff every element is (NaN propagates): one reduction pass,
+    # ~10x cheaper than materialising isfinite's boolean mask.
+    if t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
+        raise WeightSyncError(
+            f"parameter {name!r} contains NaN or inf; the push was rejected and the replicas "
+            "keep their weights. Check the training step that produced it."
+        )

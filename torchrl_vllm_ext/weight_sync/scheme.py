@@ -24,11 +24,17 @@ from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, Weight
 from torchrl_vllm_ext.weight_sync.broadcast import (
     DEFAULT_BUCKET_BYTES,
     BroadcastGroup,
+    header_to_json,
+    listen,
     pack,
 )
-from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
+from torchrl_vllm_ext.weight_sync.params import (
+    expected_specs,
+    named_tensors,
+    require_finite,
+    validate,
+)
 from torchrl_vllm_ext.weight_sync.storage import SlotWriter
-from torchrl_vllm_ext.weight_sync.worker import header_to_json, listen
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +58,10 @@ class SyncReport:
     pause_s: dict[int, float] = field(default_factory=dict)
     """Per replica: how long generation was paused."""
     phases: dict[str, float] = field(default_factory=dict)
-    """Seconds per trainer-side phase: validate, transfer (write+stage or send), apply."""
+    """Seconds per phase. Storage: validate, write (copy, finiteness and checksums in one
+    pass), stage (replicas checksum the slot), apply (pause, load, resume), load (the
+    slowest replica's load inside its pause). Broadcast: validate, pack, send (workers
+    receive and verify while generating), apply, load."""
 
     @property
     def gb_per_s(self) -> float:
@@ -137,6 +146,7 @@ class WeightSyncScheme:
         self._members: tuple = ()
         self._last_update: tuple[str, list[torch.Tensor]] | None = None  # broadcast: for restarts
         self._loaded_any = False  # whether the push in flight reached a replica's weights
+        self._last_load_s = 0.0  # the slowest replica's load in the last apply
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-sync")
         service.add_restart_hook(self._bring_up_to_date)
         logger.info("weight sync transport: %s (%s)", self.transport, self.reason)
@@ -155,7 +165,10 @@ class WeightSyncScheme:
         """
         version = str(version)
         start = time.perf_counter()
-        tensors = validate(named_tensors(weights), self.expected)
+        # The storage writer checks finiteness in its copy pass (one pass over the bytes).
+        tensors = validate(
+            named_tensors(weights), self.expected, check_finite=self.transport != "storage"
+        )
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         phases = {"validate": time.perf_counter() - start}
         with self._lock:
@@ -163,6 +176,7 @@ class WeightSyncScheme:
                 pauses = self._push_storage(tensors, version, phases)
             else:
                 pauses = self._push_broadcast(tensors, version, phases)
+            phases["load"] = self._last_load_s
             self.version = version
             self.service.record_weight_version(version, source=self)
         report = SyncReport(
@@ -260,34 +274,40 @@ class WeightSyncScheme:
             refs = [start(h) for _, h in replicas]
             timings = self._gather(replicas, refs, "load", version)
         self._loaded_any = True
+        self._last_load_s = max((t["load_s"] for t in timings.values()), default=0.0)
         return {rid: t["pause_s"] for rid, t in timings.items()}
 
     def _push_storage(self, tensors, version: str, phases: dict) -> dict[int, float]:
         t0 = time.perf_counter()
         self._loaded_any = False
         previous = self._writer.published()
-        self._writer.write(tensors, version)
+        self._writer.write(tensors, version, check=require_finite)
+        t_write = time.perf_counter()
         root = str(self._writer.root)
         replicas = self._replicas()
         try:
-            # Read and verify the new slot while still generating; only the load pauses.
-            self._on_all(replicas, "stage_weights_from_storage", (root, version), version)
-            self._wait_staged(replicas, version)
+            # Each replica actor checksums the new slot while its engine keeps generating;
+            # in the pause the workers only copy it in.
+            refs = [h.stage_storage.remote(root, version) for _, h in replicas]
+            self._gather(replicas, refs, "stage", version)
             t1 = time.perf_counter()
-            pauses = self._apply(replicas, "load_staged_weights", (version,), version)
+            pauses = self._apply(
+                replicas, "load_weights_from_storage", (root, version, True), version
+            )
         except WeightSyncError:
             if previous is not None and not self._loaded_any:
                 # No replica serves the new slot: publish the last complete version again,
                 # so restarted replicas (which load the published slot) agree with the rest.
                 self._writer.publish(previous)
             raise
-        phases.update(transfer=t1 - t0, apply=time.perf_counter() - t1)
+        phases.update(write=t_write - t0, stage=t1 - t_write, apply=time.perf_counter() - t1)
         return pauses
 
     def _push_broadcast(self, tensors, version: str, phases: dict) -> dict[int, float]:
         t0 = time.perf_counter()
         header, buffers = pack(tensors, version, self.bucket_bytes)
         header_json = header_to_json(header)
+        t_pack = time.perf_counter()
         replicas = self._replicas()
         self._ensure_group(replicas)
         # Workers receive and verify in a background thread while still generating;
@@ -303,7 +323,7 @@ class WeightSyncScheme:
         self._wait_staged(replicas, version)
         t1 = time.perf_counter()
         pauses = self._apply(replicas, "load_staged_weights", (version,), version)
-        phases.update(transfer=t1 - t0, apply=time.perf_counter() - t1)
+        phases.update(pack=t_pack - t0, send=t1 - t_pack, apply=time.perf_counter() - t1)
         self._last_update = (header_json, buffers)
         return pauses
 

@@ -110,15 +110,26 @@ class SlotWriter:
             self._slots[name] = td
         return self._slots[name]
 
-    def write(self, tensors: dict[str, torch.Tensor], version: str) -> SlotManifest:
-        """Fill the idle slot with ``tensors`` and publish it as ``version``."""
+    def write(self, tensors: dict[str, torch.Tensor], version: str, check=None) -> SlotManifest:
+        """Fill the idle slot with ``tensors`` and publish it as ``version``.
+
+        ``check(name, tensor)``, when given, runs on each tensor in the same pass (while
+        it is in cache) and may raise: then nothing is published.
+        """
         idle = "B" if self._published_slot() == "A" else "A"
         slot = self._slot(idle, tensors)
-        # 1) fill the idle slot in place (readers only read the published one)
-        slot.update_({_key(k): t for k, t in tensors.items()})
-        # 2) checksums of what is now in the slot
+
+        # 1) fill the idle slot in place (readers only read the published one) and
+        # 2) checksum what is now in the slot, tensor by tensor, in one pass.
+        def put(name: str) -> int:
+            if check is not None:
+                check(name, tensors[name])
+            dst = slot.get(_key(name))
+            dst.copy_(tensors[name])
+            return checksum(dst)
+
         with ThreadPoolExecutor(self.num_threads) as pool:
-            sums = list(pool.map(lambda k: checksum(slot.get(_key(k))), tensors))
+            sums = list(pool.map(put, tensors))
         specs = tuple(
             TensorSpec(k, dtype_name(t.dtype), tuple(t.shape), s)
             for (k, t), s in zip(tensors.items(), sums, strict=True)
@@ -167,9 +178,13 @@ class SlotReader:
         self._maps: dict[str, TensorDict] = {}
 
     def read(
-        self, expect_version: str | None = None
+        self, expect_version: str | None = None, verify: bool = True
     ) -> tuple[SlotManifest, dict[str, torch.Tensor]]:
-        """The published manifest and its tensors (views of the mapped slot), verified."""
+        """The published manifest and its tensors (views of the mapped slot), verified.
+
+        ``verify=False`` skips the checksums (names, shapes and dtypes are still
+        checked): for a reader on the same host as one that just verified this version.
+        """
         manifest, _ = read_published(self.root)
         if expect_version is not None and manifest.version != str(expect_version):
             raise WeightSyncError(
@@ -194,6 +209,8 @@ class SlotReader:
                     f"of shape {spec.shape} and dtype {spec.dtype}; the storage directory is corrupt."
                 )
             tensors[spec.name] = t
+        if not verify:
+            return manifest, tensors
         with ThreadPoolExecutor(self.num_threads) as pool:
             sums = list(pool.map(checksum, tensors.values()))
         for spec, s in zip(manifest.tensors, sums, strict=True):

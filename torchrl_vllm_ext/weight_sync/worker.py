@@ -9,126 +9,40 @@ which maps Hugging Face names onto vLLM's fused and sharded parameters.
 
 from __future__ import annotations
 
-import json
 import logging
-import socket
 import threading
-from datetime import timedelta
 
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.messages import BucketSpec, TensorSpec, UpdateHeader
-from torchrl_vllm_ext.weight_sync.params import checksum, torch_dtype
+from torchrl_vllm_ext.messages import UpdateHeader
+from torchrl_vllm_ext.weight_sync import cpu_layout
+from torchrl_vllm_ext.weight_sync.broadcast import header_from_json, make_process_group, unpack
+from torchrl_vllm_ext.weight_sync.params import checksum
 from torchrl_vllm_ext.weight_sync.storage import SlotReader
 
 logger = logging.getLogger(__name__)
 
-
-def header_to_json(h: UpdateHeader) -> str:
-    from dataclasses import asdict
-
-    return json.dumps(asdict(h))
-
-
-def header_from_json(text: str) -> UpdateHeader:
-    raw = json.loads(text)
-    buckets = tuple(
-        BucketSpec(
-            dtype=b["dtype"],
-            tensors=tuple(
-                TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), int(t["checksum"]))
-                for t in b["tensors"]
-            ),
-            nbytes=int(b["nbytes"]),
-            checksum=int(b["checksum"]),
-        )
-        for b in raw["buckets"]
-    )
-    return UpdateHeader(version=str(raw["version"]), buckets=buckets)
-
-
-def unpack(bucket: BucketSpec, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """Views of the tensors packed end to end in ``buffer`` (uint8)."""
-    dtype = torch_dtype(bucket.dtype)
-    out, offset = [], 0
-    for spec in bucket.tensors:
-        numel = 1
-        for d in spec.shape:
-            numel *= d
-        nbytes = numel * dtype.itemsize
-        out.append((spec.name, buffer[offset : offset + nbytes].view(dtype).view(spec.shape)))
-        offset += nbytes
-    return out
-
-
-def make_process_group(
-    backend: str,
-    host: str,
-    port: int,
-    world_size: int,
-    rank: int,
-    timeout_s: float,
-    listener: socket.socket | None = None,
-):
-    """A process group outside torch.distributed's global state (the worker has its own).
-
-    Rank 0 serves the rendezvous store on ``listener``, a socket bound to ``host``
-    (bound here when not given), which the store takes over. The only difference
-    between the GPU and CPU paths is the backend class.
-    """
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=timeout_s)
-    if rank == 0:
-        # NOTE: TCPStore alone listens on every interface; on a socket bound to ``host``
-        # (loopback on one machine) the store is reachable from the group's hosts only.
-        listener = listener if listener is not None else listen(host, port)
-        # The store closes the descriptor when it goes: hand it over.
-        fd = listener.detach()
-        store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd)
-    else:
-        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-    if backend == "nccl":
-        pg = dist.ProcessGroupNCCL(store, rank, world_size)
-    elif backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
-    else:
-        raise WeightSyncError(
-            f"broadcast backend {backend!r} is not supported; use 'gloo' or 'nccl'."
-        )
-    return store, pg
-
-
-def listen(host: str, port: int = 0) -> socket.socket:
-    """A listening TCP socket bound to ``host`` only (``port`` 0: a free one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    return sock
+# Only vLLM worker processes import this module (as ``worker_extension_cls``), before
+# they build the model: on CPU the weights then stay updatable in place.
+cpu_layout.keep_checkpoint_layout()
 
 
 class WeightSyncWorkerExtension:
     """Methods vLLM adds to its model worker (``self`` is the vLLM ``Worker``)."""
 
     # ------------------------------------------------------------------ storage
-    def load_weights_from_storage(self, path: str, version: str | None = None) -> str:
-        """Read, verify and load the published slot of ``path``; returns the loaded version."""
-        manifest, tensors = self._tvllm_reader(path).read(version)
+    def load_weights_from_storage(
+        self, path: str, version: str | None = None, verified: bool = False
+    ) -> str:
+        """Read, verify and load the published slot of ``path``; returns the loaded version.
+
+        ``verified=True`` skips the checksums: the replica actor on this host verified
+        ``version`` just before the pause (:meth:`VLLMReplica.stage_storage`).
+        """
+        manifest, tensors = self._tvllm_reader(path).read(version, verify=not verified)
         self._tvllm_load(tensors.items())
         return manifest.version
-
-    def stage_weights_from_storage(self, path: str, version: str) -> bool:
-        """Start reading and verifying the published slot in the background (before the pause)."""
-        reader = self._tvllm_reader(path)
-
-        def read():
-            _, tensors = reader.read(version)
-            return list(tensors.items())
-
-        return self._tvllm_stage(version, read)
 
     def _tvllm_stage(self, version: str, produce) -> bool:
         """Run ``produce() -> [(name, tensor)]`` in a thread while the engine keeps generating."""
@@ -257,10 +171,16 @@ class WeightSyncWorkerExtension:
 
     # ------------------------------------------------------------------ shared
     def _tvllm_load(self, named_tensors) -> None:
-        # vLLM's in-place reload maps HF names onto fused/sharded parameters and redoes
-        # the post-load processing (CPU kernels repack their weights), layer by layer.
+        model = self.get_model()
+        if cpu_layout.loads_in_place(model):
+            # The model's own loader maps HF names onto fused/sharded parameters and
+            # copies into them: the served tensors stay where they are.
+            model.load_weights(iter(named_tensors))
+            return
+        # Packed (CPU oneDNN) or quantized weights: vLLM's layerwise reload redoes the
+        # post-load processing of every layer.
         self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
-        _refresh_tied_lm_head(self.get_model())
+        _refresh_tied_lm_head(model)
 
 
 def _refresh_tied_lm_head(model) -> None:
