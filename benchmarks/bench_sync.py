@@ -6,8 +6,8 @@ Model: a random Qwen2 of ~350 MB fp32 with ~290 tensors, served by two replicas.
   GB/s, and the longest generation pause (storage also with ``rollout="rolling"``: one
   replica at a time, so the others keep serving);
 * (a) memcpy bandwidth of the same bytes (``torch`` copy into a preallocated buffer);
-* (b) one RPC plus one broadcast per parameter, the pattern of TorchRL's older updater
-  (receive and verify only, no load: the baseline is spared the model load we pay);
+* (b) one RPC plus one broadcast per parameter, the pattern of TorchRL's older updater:
+  each worker receives, verifies and loads the parameter as it arrives, like a push;
 * (c) ``torch.save`` + ``torch.load`` of the state dict through tmpfs.
 
     python benchmarks/bench_sync.py [--repeats 5]
@@ -49,7 +49,7 @@ def median_time(fn, repeats: int) -> float:
 
 
 def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
-    """One header RPC to every replica plus one broadcast, per parameter."""
+    """One header RPC to every replica plus one broadcast, per parameter; each is loaded."""
     import ray
 
     from torchrl_vllm_ext.weight_sync.broadcast import header_to_json, pack
@@ -59,7 +59,7 @@ def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
     for name, t in tensors.items():
         header, buffers = pack({name: t}, "per-param")
         refs = [
-            h.collective_rpc.remote("receive_weight_broadcast", (header_to_json(header), False))
+            h.collective_rpc.remote("receive_weight_broadcast", (header_to_json(header), True))
             for _, h in replicas
         ]
         scheme._group.send(buffers)
