@@ -28,9 +28,9 @@ SHAPE = (256, 256)
 # Where the writer dies; "after_rename" and "after_fsync_dir" published the new version.
 KILL_POINTS = (
     "start",
+    "first_tensor",
     "mid_fill",
     "after_fill",
-    "mid_checksum",
     "manifest_fsync",
     "before_rename",
     "after_rename",
@@ -49,34 +49,26 @@ def _die() -> None:
 
 def write_and_die(root: str, version: int, point: str | None) -> None:
     """Child process: publish ``version``, SIGKILLing itself at ``point`` (None: after a delay)."""
-    from tensordict import TensorDict
-
     from torchrl_vllm_ext.weight_sync import storage
 
     if point == "start":
         _die()
-    if point == "mid_fill":  # half of the tensors written, then death
-        original = TensorDict.update_
-
-        def half_update(self, data, *args, **kwargs):
-            keys = list(data)
-            original(self, {k: data[k] for k in keys[: len(keys) // 2]}, *args, **kwargs)
-            _die()
-
-        TensorDict.update_ = half_update
-    if point == "after_fill":
-        storage.ThreadPoolExecutor = lambda *a, **k: _die()
-    if point == "mid_checksum":
+    if point in ("first_tensor", "mid_fill"):
+        # The write copies and checksums tensor by tensor: die after the first tensor,
+        # or with half of them in the slot.
         calls = []
         real = storage.checksum
+        limit = 1 if point == "first_tensor" else NUM_TENSORS // 2
 
         def checksum(t):
             calls.append(1)
-            if len(calls) > NUM_TENSORS // 2:
+            if len(calls) > limit:
                 _die()
             return real(t)
 
         storage.checksum = checksum
+    if point == "after_fill":  # every tensor in the slot, no manifest yet
+        storage.SlotManifest = lambda *a, **k: _die()
     if point == "manifest_fsync":
         storage.os.fsync = lambda fd: _die()
     if point in ("before_rename", "after_rename"):

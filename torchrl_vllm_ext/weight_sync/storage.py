@@ -196,7 +196,8 @@ class SlotReader:
             path = self.root / f"slot-{manifest.slot}"
             if not (path / "meta.json").exists():
                 raise WeightSyncError(
-                    f"slot {manifest.slot} of {self.root} is missing; the manifest points to nothing."
+                    f"slot {manifest.slot} of {self.root} is missing; the manifest points to nothing. "
+                    "Push the weights again (the writer recreates its slots)."
                 )
             td = TensorDict.load_memmap(path, mode="r")
             self._maps[manifest.slot] = td
@@ -206,7 +207,8 @@ class SlotReader:
             if t is None or tuple(t.shape) != spec.shape or dtype_name(t.dtype) != spec.dtype:
                 raise WeightSyncError(
                     f"slot {manifest.slot} (version {manifest.version}) has no tensor {spec.name!r} "
-                    f"of shape {spec.shape} and dtype {spec.dtype}; the storage directory is corrupt."
+                    f"of shape {spec.shape} and dtype {spec.dtype}; the storage directory is corrupt. "
+                    "Push again into a new storage directory."
                 )
             tensors[spec.name] = t
         if not verify:
@@ -217,7 +219,8 @@ class SlotReader:
             if s != spec.checksum:
                 raise WeightSyncError(
                     f"slot {manifest.slot} (version {manifest.version}): checksum mismatch for "
-                    f"{spec.name!r}; the slot was modified after publishing. Nothing was loaded."
+                    f"{spec.name!r}; the slot was modified after publishing. Nothing was loaded. "
+                    "Push again (the writer refills a slot and publishes a fresh manifest)."
                 )
         return manifest, tensors
 
