@@ -81,6 +81,27 @@ def replica_logprobs(service, ids=SEQUENCE) -> dict[int, tuple[torch.Tensor, str
     return {d.replica_id: (torch.tensor(d.prompt_logprobs[1:]), d.weight_version_end) for d in data}
 
 
+def perturb(model, seed: int) -> None:
+    """Add seeded noise to every parameter (a stand-in for a training step)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def assert_replicas_match(service, model, version: str, tol: float = 1e-4) -> float:
+    """Every replica serves ``version`` and its log-probs equal ``model``'s; returns the worst gap."""
+    ref = hf_token_logprobs(model, SEQUENCE)
+    worst = 0.0
+    for rid, (got, served) in replica_logprobs(service).items():
+        assert served == version, f"replica {rid} serves version {served}, expected {version}"
+        gap = (got - ref).abs().max().item()
+        assert gap < tol, f"replica {rid}: max |replica - trainer| log-prob = {gap:.2e}"
+        worst = max(worst, gap)
+    assert set(service.weight_versions().values()) == {version}
+    return worst
+
+
 def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
     """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
     import time

@@ -14,9 +14,9 @@ from torchrl_vllm_ext import ConfigurationError, VLLMService, WeightSyncError, W
 from .conftest import (
     CPUS_PER_REPLICA,
     ENGINE_KWARGS,
-    SEQUENCE,
+    assert_replicas_match,
     hf_token_logprobs,
-    replica_logprobs,
+    perturb,
     wait_until,
 )
 
@@ -39,24 +39,6 @@ def schemes(service, original):
     broadcast.close()
     storage.push(original, version="0")  # later tests expect the checkpoint's weights
     storage.close()
-
-
-def perturb(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-
-
-def assert_replicas_match(service, model, version: str, tol: float = 1e-4) -> float:
-    ref = hf_token_logprobs(model, SEQUENCE)
-    worst = 0.0
-    for rid, (got, served) in replica_logprobs(service).items():
-        assert served == version, f"replica {rid} served version {served}, expected {version}"
-        worst = max(worst, (got - ref).abs().max().item())
-    assert worst < tol, f"max |replica - trainer| log-prob = {worst:.2e}"
-    assert set(service.weight_versions().values()) == {version}
-    return worst
 
 
 @pytest.mark.parametrize("transport", ["storage", "broadcast"])

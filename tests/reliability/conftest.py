@@ -21,11 +21,11 @@ import torch
 from torchrl_vllm_ext import VLLMService, WeightSyncScheme
 from torchrl_vllm_ext.errors import TorchRLVLLMError
 
-from ..integration.conftest import (
+from ..integration.conftest import (  # noqa: F401 (shared checks, re-exported to the tests)
     CPUS_PER_REPLICA,
     ENGINE_KWARGS,
-    SEQUENCE,
-    hf_token_logprobs,
+    assert_replicas_match,
+    perturb,
     replica_logprobs,
     wait_until,
 )
@@ -71,23 +71,6 @@ def wait_ready(service, n: int = NUM_REPLICAS) -> None:
         interval=0.5,
         what=f"{n} ready replicas",
     )
-
-
-def perturb(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-
-
-def assert_replicas_match(service, model, version: str, tol: float = 1e-4) -> None:
-    """Every replica serves ``version`` and its log-probs equal ``model``'s."""
-    ref = hf_token_logprobs(model, SEQUENCE)
-    for rid, (got, served) in replica_logprobs(service).items():
-        assert served == version, f"replica {rid} serves version {served}, expected {version}"
-        worst = (got - ref).abs().max().item()
-        assert worst < tol, f"replica {rid}: max |replica - trainer| log-prob = {worst:.2e}"
-    assert set(service.weight_versions().values()) == {version}
 
 
 def replica_pids(service, rid: int) -> tuple[int, int | None]:

@@ -130,6 +130,7 @@ class VLLMReplica:
         self._sink: dict[str, Any] = {}
         self._outstanding = 0
         self._paused = False
+        self._slot_readers: dict[str, Any] = {}  # storage root -> SlotReader (stage_storage)
         self.engine = None
         self._info: ReplicaInfo | None = None
 
@@ -320,8 +321,9 @@ class VLLMReplica:
         """
         from torchrl_vllm_ext.weight_sync.storage import SlotReader
 
-        readers = self.__dict__.setdefault("_slot_readers", {})
-        reader = readers.setdefault(root, SlotReader(root))
+        if root not in self._slot_readers:  # keeps each slot mapped once
+            self._slot_readers[root] = SlotReader(root)
+        reader = self._slot_readers[root]
         manifest, _ = await asyncio.to_thread(reader.read, version)
         return manifest.version
 

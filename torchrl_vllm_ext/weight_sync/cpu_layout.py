@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 PACKED_ENV = "TORCHRL_VLLM_CPU_PACKED_WEIGHTS"
 _PLAIN_FLAG = "_tvllm_plain_linear"
+_UNQUANTIZED_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -76,6 +77,3 @@ def loads_in_place(model: torch.nn.Module) -> bool:
         if method is not None and type(method).__name__ not in _UNQUANTIZED_METHODS:
             return False
     return True
-
-
-_UNQUANTIZED_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")

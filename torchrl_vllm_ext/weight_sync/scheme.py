@@ -146,7 +146,6 @@ class WeightSyncScheme:
         self._members: tuple = ()
         self._last_update: tuple[str, list[torch.Tensor]] | None = None  # broadcast: for restarts
         self._loaded_any = False  # whether the push in flight reached a replica's weights
-        self._last_load_s = 0.0  # the slowest replica's load in the last apply
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="weight-sync")
         service.add_restart_hook(self._bring_up_to_date)
         logger.info("weight sync transport: %s (%s)", self.transport, self.reason)
@@ -176,7 +175,6 @@ class WeightSyncScheme:
                 pauses = self._push_storage(tensors, version, phases)
             else:
                 pauses = self._push_broadcast(tensors, version, phases)
-            phases["load"] = self._last_load_s
             self.version = version
             self.service.record_weight_version(version, source=self)
         report = SyncReport(
@@ -253,7 +251,9 @@ class WeightSyncScheme:
             )
         return results
 
-    def _apply(self, replicas, method: str, args: tuple, version: str) -> dict[int, float]:
+    def _apply(
+        self, replicas, method: str, args: tuple, version: str, phases: dict
+    ) -> dict[int, float]:
         def start(handle):
             return handle.update_weights.remote(method, args, version, self.pause_mode)
 
@@ -274,7 +274,7 @@ class WeightSyncScheme:
             refs = [start(h) for _, h in replicas]
             timings = self._gather(replicas, refs, "load", version)
         self._loaded_any = True
-        self._last_load_s = max((t["load_s"] for t in timings.values()), default=0.0)
+        phases["load"] = max((t["load_s"] for t in timings.values()), default=0.0)
         return {rid: t["pause_s"] for rid, t in timings.items()}
 
     def _push_storage(self, tensors, version: str, phases: dict) -> dict[int, float]:
@@ -292,7 +292,7 @@ class WeightSyncScheme:
             self._gather(replicas, refs, "stage", version)
             t1 = time.perf_counter()
             pauses = self._apply(
-                replicas, "load_weights_from_storage", (root, version, True), version
+                replicas, "load_weights_from_storage", (root, version, True), version, phases
             )
         except WeightSyncError:
             if previous is not None and not self._loaded_any:
@@ -322,7 +322,7 @@ class WeightSyncScheme:
             ) from e
         self._wait_staged(replicas, version)
         t1 = time.perf_counter()
-        pauses = self._apply(replicas, "load_staged_weights", (version,), version)
+        pauses = self._apply(replicas, "load_staged_weights", (version,), version, phases)
         phases.update(pack=t_pack - t0, send=t1 - t_pack, apply=time.perf_counter() - t1)
         self._last_update = (header_json, buffers)
         return pauses
