@@ -131,10 +131,14 @@ def main(args) -> dict:
         "ratio_policy_vs_service": round(med["policy"] / med["service"], 3),
         "ratio_policy_vs_torchrl_wrapper": round(med["policy"] / med["torchrl_wrapper"], 3),
         "ratio_torchrl_wrapper_vs_raw_vllm": round(med["torchrl_wrapper"] / med["raw_vllm"], 3),
-        # Per-round ratios of neighbours in time: less exposed to drift of a shared machine.
-        "paired_median_policy_vs_service": round(
-            statistics.median(p / s for p, s in zip(tps["policy"], tps["service"], strict=True)), 3
-        ),
+        # Per-round ratios (the systems of a round run within seconds of each other): less
+        # exposed to the drift of a shared machine than ratios of medians.
+        **{
+            f"paired_median_policy_vs_{base}": round(
+                statistics.median(p / b for p, b in zip(tps["policy"], tps[base], strict=True)), 3
+            )
+            for base in ("raw_vllm", "service", "torchrl_wrapper")
+        },
         "rounds_tokens_per_s": {name: [round(x, 1) for x in v] for name, v in tps.items()},
     }
 

@@ -63,3 +63,23 @@ def vllm_validation_errors() -> tuple[type[BaseException], ...]:
     from vllm.exceptions import VLLMValidationError
 
     return (VLLMValidationError, ValueError)
+
+
+def vllm_inproc_api():
+    """The vLLM v1 pieces of an in-process engine (see engine/inproc.py), by name."""
+    from types import SimpleNamespace
+
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+    from vllm.v1.engine.exceptions import EngineDeadError
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.executor import Executor
+
+    return SimpleNamespace(
+        LLMEngine=LLMEngine,
+        Executor=Executor,
+        UsageContext=UsageContext,
+        EngineCoreOutput=EngineCoreOutput,
+        FinishReason=FinishReason,
+        EngineDeadError=EngineDeadError,
+    )

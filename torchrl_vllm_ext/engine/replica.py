@@ -1,9 +1,12 @@
-"""The replica: a Ray actor that hosts one vLLM v1 ``AsyncLLM``.
+"""The replica: a Ray actor that hosts one vLLM v1 engine.
 
+The engine is ``AsyncLLM`` (engine core in a child process), or on single-worker CPU
+replicas vLLM's ``LLMEngine`` stepped by a thread of the actor
+(:mod:`torchrl_vllm_ext.engine.inproc`); both offer the same calls here.
 One actor call generates a whole batch (the prompts run concurrently inside the
 engine); results come back as plain data (:mod:`torchrl_vllm_ext.messages`).
-Load statistics are vLLM's own ``SchedulerStats``, captured by a stat logger the
-engine calls after every step.
+Load statistics are vLLM's own: ``SchedulerStats`` captured by a stat logger the
+``AsyncLLM`` calls after every step, or the in-process scheduler's counters.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from torchrl_vllm_ext._compat import engine_dead_errors, vllm_engine_api, vllm_validation_errors
+from torchrl_vllm_ext.engine.inproc import InprocEngine
 from torchrl_vllm_ext.errors import (
     GenerationTimeoutError,
     InvalidRequestError,
@@ -98,7 +102,7 @@ def to_request_data(output, replica_id: int, version_start: str, version_end: st
 
 
 class VLLMReplica:
-    """Ray actor body: one ``AsyncLLM`` engine (the service wraps it with ``ray.remote``).
+    """Ray actor body: one vLLM engine (the service wraps it with ``ray.remote``).
 
     Args:
         replica_id: stable id of the replica within its service.
@@ -107,6 +111,9 @@ class VLLMReplica:
         weight_version: version label the engine starts with.
         env: environment of the engine's processes (None: unset), which inherit this
             actor's; see :func:`torchrl_vllm_ext.engine.cluster.process_env`.
+        in_process: run vLLM's ``LLMEngine`` in this actor instead of ``AsyncLLM`` and
+            its engine-core process (single-worker replicas only; see
+            :func:`torchrl_vllm_ext.engine.cluster.in_process_engine`).
     """
 
     def __init__(
@@ -116,6 +123,7 @@ class VLLMReplica:
         engine_kwargs: dict,
         weight_version: str,
         env: dict[str, str | None] | None = None,
+        in_process: bool = False,
     ):
         for key, value in (env or {}).items():
             if value is None:
@@ -133,6 +141,7 @@ class VLLMReplica:
         self._slot_readers: dict[str, Any] = {}  # storage root -> SlotReader (stage_storage)
         self.engine = None
         self._info: ReplicaInfo | None = None
+        self._in_process = in_process
 
     async def start(self) -> ReplicaInfo:
         """Build the engine; return what the router and validators need to know."""
@@ -141,9 +150,12 @@ class VLLMReplica:
         kwargs.update(self._engine_kwargs)
         try:
             args = AsyncEngineArgs(model=self._model, **kwargs)
-            self.engine = AsyncLLM.from_engine_args(
-                args, stat_loggers=[_stats_sink_class(self._sink)]
-            )
+            if self._in_process:
+                self.engine = await InprocEngine.start(args)
+            else:
+                self.engine = AsyncLLM.from_engine_args(
+                    args, stat_loggers=[_stats_sink_class(self._sink)]
+                )
             await self.engine.update_weight_version(self._initial_version)
         except Exception as e:
             raise ReplicaStartupError(
@@ -195,12 +207,13 @@ class VLLMReplica:
         )
         version_start = self._version
         self._outstanding += len(prompts)
-        tasks = [
-            asyncio.create_task(self._one(list(map(int, p)), sp, rid))
-            for p, sp, rid in zip(prompts, params, request_ids, strict=True)
-        ]
+        # Salting the prefix cache with the weight version means cache entries computed
+        # with older weights can never serve a request made after a sync.
+        salt = f"w{self._version}"
+        inputs = [{"prompt_token_ids": list(map(int, p)), "cache_salt": salt} for p in prompts]
+        tasks = [asyncio.create_task(self._run_batch(inputs, params, list(request_ids)))]
         try:
-            done = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+            (done,) = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
         except TimeoutError:
             await self._abort(tasks, request_ids)
             raise GenerationTimeoutError(
@@ -222,11 +235,15 @@ class VLLMReplica:
         version_end = self._version
         return [to_request_data(o, self.replica_id, version_start, version_end) for o in done]
 
-    async def _one(self, prompt: list[int], sp, request_id: str):
+    async def _run_batch(self, inputs: list[dict], params: list, request_ids: list[str]) -> list:
+        if self._in_process:
+            return await self.engine.generate_many(inputs, params, request_ids)
+        return await asyncio.gather(
+            *(self._one(i, sp, rid) for i, sp, rid in zip(inputs, params, request_ids, strict=True))
+        )
+
+    async def _one(self, engine_input: dict, sp, request_id: str):
         final = None
-        # Salting the prefix cache with the weight version means cache entries computed
-        # with older weights can never serve a request made after a sync.
-        engine_input = {"prompt_token_ids": prompt, "cache_salt": f"w{self._version}"}
         async for out in self.engine.generate(engine_input, sp, request_id):
             final = out
         return final
@@ -243,14 +260,20 @@ class VLLMReplica:
     async def stats(self) -> ReplicaStats:
         """Current load from vLLM's last ``SchedulerStats`` and the actor's counters."""
         self._require_engine()
-        sched = self._sink.get("scheduler")
-        # Before the engine's first step no SchedulerStats exist; the scheduler then
-        # provably holds no request and no cache block, so zeros are the true values.
+        if self._in_process:
+            running, waiting, kv_usage = self.engine.load()
+        elif sched := self._sink.get("scheduler"):
+            running, waiting = int(sched.num_running_reqs), int(sched.num_waiting_reqs)
+            kv_usage = float(sched.kv_cache_usage)
+        else:
+            # Before the engine's first step no SchedulerStats exist; the scheduler then
+            # provably holds no request and no cache block, so zeros are the true values.
+            running, waiting, kv_usage = 0, 0, 0.0
         return ReplicaStats(
             replica_id=self.replica_id,
-            running=int(sched.num_running_reqs) if sched else 0,
-            waiting=int(sched.num_waiting_reqs) if sched else 0,
-            kv_cache_usage=float(sched.kv_cache_usage) if sched else 0.0,
+            running=running,
+            waiting=waiting,
+            kv_cache_usage=kv_usage,
             outstanding=self._outstanding,
             weight_version=self._version,
             paused=self._paused,
@@ -298,6 +321,13 @@ class VLLMReplica:
         and the method (the worker extensions are the weight-sync receivers).
         """
         self._require_engine()
+        if not isinstance(method, str):
+            # An in-process engine would run a callable as is; vLLM's engine-core channel
+            # refuses to send one unless VLLM_ALLOW_INSECURE_SERIALIZATION=1. Refuse both.
+            raise InvalidRequestError(
+                f"collective_rpc takes the name of a worker method, not {method!r}; callables "
+                "are refused (vLLM sends them only with VLLM_ALLOW_INSECURE_SERIALIZATION=1)."
+            )
         return await self._worker_call(method, tuple(args), kwargs)
 
     async def _worker_call(self, method: str, args: tuple, kwargs: dict | None = None):

@@ -271,6 +271,7 @@ class VLLMService:
                 cluster.engine_kwargs(self._res, self.config),
                 self._weight_version,
                 cluster.process_env(self._res),
+                cluster.in_process_engine(self._res),
             )
         )
         rep.info = await asyncio.wait_for(rep.actor.start.remote(), self.config.startup_timeout)

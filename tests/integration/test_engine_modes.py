@@ -1,0 +1,47 @@
+"""The two replica engines agree: vLLM's ``LLMEngine`` in the actor (CPU default) and
+``AsyncLLM`` with its engine-core process (``TORCHRL_VLLM_ENGINE_PROCESS=1``, GPU default)."""
+
+from __future__ import annotations
+
+import numpy as np
+import psutil
+import ray
+
+from torchrl_vllm_ext import VLLMService
+from torchrl_vllm_ext.engine.cluster import ENGINE_PROCESS_ENV
+
+from .conftest import CPUS_PER_REPLICA, ENGINE_KWARGS
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+PARAMS = {"max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 0, "prompt_logprobs": 0}
+
+
+def engine_children(svc) -> list[str]:
+    names = []
+    for rid in svc.replica_ids:
+        for pid in ray.get(svc.replica_handle(rid).child_pids.remote()):
+            try:
+                names.append(psutil.Process(pid).name())
+            except psutil.Error:
+                pass
+    return [n for n in names if "EngineCore" in n]
+
+
+def test_async_engine_replica_gives_the_in_process_replicas_tokens_and_logprobs(
+    service, tiny_model, monkeypatch
+):
+    in_process = service.generate_batch(PROMPTS, PARAMS)
+    assert engine_children(service) == [], "CPU replicas run their engine in the actor"
+
+    monkeypatch.setenv(ENGINE_PROCESS_ENV, "1")
+    with VLLMService.launch(
+        tiny_model, num_replicas=1, cpus_per_replica=CPUS_PER_REPLICA, **ENGINE_KWARGS
+    ) as svc:
+        assert len(engine_children(svc)) == 1, "AsyncLLM runs an engine-core process"
+        separate = svc.generate_batch(PROMPTS, PARAMS)
+
+    for a, b in zip(in_process, separate, strict=True):
+        assert a.samples[0].token_ids.tolist() == b.samples[0].token_ids.tolist()
+        np.testing.assert_allclose(a.samples[0].logprobs, b.samples[0].logprobs, atol=1e-5)
+        np.testing.assert_allclose(a.prompt_logprobs, b.prompt_logprobs, atol=1e-5)
+        assert a.samples[0].finish_reason == b.samples[0].finish_reason == "length"

@@ -1,0 +1,331 @@
+"""vLLM's ``LLMEngine`` inside the replica actor, stepped by one thread.
+
+``AsyncLLM`` always runs its engine core in a child process: every step's outputs are
+serialised, sent over ZMQ and processed again in the actor, while the model's OpenMP
+team wants every core. On a CPU replica that costs a third of the throughput of
+in-process ``vllm.LLM`` (2 cores, tiny model: 0.68). Here the scheduler, the model
+(vLLM's uni executor) and output processing run one after another in one thread, as
+in ``vllm.LLM``.
+
+The thread owns the engine: every operation (add, abort, pause, worker call) is a
+closure queued to it and run between two steps, so nothing needs a lock. Results go
+back to the actor's event loop as futures. The class offers the part of ``AsyncLLM``
+that :class:`~torchrl_vllm_ext.engine.replica.VLLMReplica` uses, with vLLM's pause
+modes (``abort`` / ``wait`` / ``keep``; vLLM's in-process engine core has no ``wait``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torchrl_vllm_ext._compat import vllm_inproc_api
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class InprocEngine:
+    """One ``LLMEngine`` (no engine-core process) driven by a dedicated thread.
+
+    Build it with ``await InprocEngine.start(engine_args)`` from the event loop the
+    results should come back to.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str = "vllm-engine"):
+        self._loop = loop
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._engine = None  # owned by the thread
+        self._waiters: dict[str, asyncio.Future] = {}  # request id -> final output
+        self._held: list[tuple] = []  # batches submitted while paused
+        self._idle_waiters: list[asyncio.Future] = []  # pause("wait") callers
+        self._paused = False
+        self._frozen = False  # pause("keep"): no steps at all
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    @classmethod
+    async def start(cls, engine_args) -> InprocEngine:
+        self = cls(asyncio.get_running_loop())
+        self._thread.start()
+        # Built on its own thread: vLLM's thread-local torch state (grad mode, streams)
+        # then belongs to the thread that steps it.
+        await self._call(self._build, engine_args)
+        return self
+
+    # ------------------------------------------------------------ AsyncLLM subset
+    @property
+    def vllm_config(self):
+        return self._engine.vllm_config
+
+    @property
+    def tokenizer(self):
+        return self._engine.tokenizer
+
+    @property
+    def errored(self) -> bool:
+        return self._error is not None or not self._thread.is_alive()
+
+    async def generate_many(
+        self, inputs: Sequence[dict], params: Sequence[Any], request_ids: Sequence[str]
+    ) -> list:
+        """Add a batch of requests at once and return their final ``RequestOutput``s.
+
+        All are added before the next step, as ``vllm.LLM.generate`` does. A request vLLM
+        rejects raises here and none of the batch stays in the engine. Cancelling the
+        caller does not abort the requests: call :meth:`abort` with their ids.
+        """
+        futures = [self._loop.create_future() for _ in request_ids]
+        await self._call(self._add_batch, list(inputs), list(params), list(request_ids), futures)
+        return list(await asyncio.gather(*futures))
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests by id; their callers get a final output with reason ``abort``."""
+        await self._call(self._abort, set(request_ids))
+
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop stepping new work: ``abort`` in-flight requests, ``wait`` for them, or ``keep``
+        them frozen. Requests submitted while paused are held until :meth:`resume_generation`."""
+        idle = self._loop.create_future() if mode == "wait" else None
+        await self._call(self._pause, mode, idle)
+        if idle is not None:
+            await idle
+        if clear_cache:
+            await self._call(self._clear_caches)
+
+    async def resume_generation(self) -> None:
+        await self._call(self._resume)
+
+    async def update_weight_version(self, version: str) -> None:
+        await self._call(lambda: self._engine.set_weight_version(version))
+
+    async def get_weight_version(self) -> str:
+        return await self._call(lambda: self._engine.get_weight_version())
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._call(lambda: self._engine.reset_prefix_cache())
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None):
+        return await self._call(
+            lambda: self._engine.collective_rpc(method, args=args, kwargs=kwargs)
+        )
+
+    async def check_health(self) -> None:
+        """Raise if the engine died; otherwise return once the thread ran a no-op."""
+        await self._call(lambda: None)
+
+    def load(self) -> tuple[int, int, float]:
+        """(running, waiting, KV-cache usage) from vLLM's scheduler.
+
+        Read from the actor's thread without queueing (a few int reads; the GIL makes
+        each consistent), so stats never wait for a step or a weight load.
+        """
+        if self._engine is None:
+            return 0, 0, 0.0
+        scheduler = self._engine.engine_core.engine_core.scheduler
+        running, waiting = scheduler.get_request_counts()
+        held = sum(len(batch[2]) for batch in self._held)
+        return int(running), int(waiting) + held, float(scheduler.get_kv_cache_usage())
+
+    def shutdown(self) -> None:
+        """Stop the thread and the engine; pending callers get ``EngineDeadError``."""
+        if self._thread.is_alive():
+            self._calls.put(_STOP)
+            self._thread.join(timeout=60)
+
+    # ------------------------------------------------------------ caller side
+    async def _call(self, fn: Callable, *args) -> Any:
+        """Run ``fn(*args)`` on the engine thread between two steps; return its result."""
+        if self.errored:
+            raise self._dead_error()
+        future = self._loop.create_future()
+        self._calls.put((fn, args, future))
+        return await future
+
+    def _dead_error(self):
+        cause = self._error if self._error is not None else "engine thread stopped"
+        return vllm_inproc_api().EngineDeadError(f"in-process vLLM engine is gone: {cause}")
+
+    def _resolve(self, future: asyncio.Future, result=None, error: BaseException | None = None):
+        """Complete ``future`` on the event loop (called from the engine thread)."""
+
+        def done():
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        self._loop.call_soon_threadsafe(done)
+
+    # ------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                busy = self._has_work()
+                try:
+                    item = self._calls.get(block=not busy)
+                except queue.Empty:
+                    item = None
+                while item is not None:
+                    if item is _STOP:
+                        self._close()
+                        return
+                    self._run_call(*item)
+                    try:
+                        item = self._calls.get_nowait()
+                    except queue.Empty:
+                        item = None
+                if self._has_work():
+                    self._step()
+                if self._idle_waiters and not self._engine.has_unfinished_requests():
+                    for future in self._idle_waiters:
+                        self._resolve(future)
+                    self._idle_waiters.clear()
+        except BaseException as e:  # a failed step: the engine's state is unknown
+            logger.exception("in-process vLLM engine failed")
+            self._error = e
+            self._close()
+
+    def _run_call(self, fn: Callable, args: tuple, future: asyncio.Future) -> None:
+        try:
+            result = fn(*args)
+        except Exception as e:  # the caller's error; the engine goes on
+            self._resolve(future, error=e)
+        else:
+            self._resolve(future, result)
+
+    def _has_work(self) -> bool:
+        return (
+            self._engine is not None and not self._frozen and self._engine.has_unfinished_requests()
+        )
+
+    def _step(self) -> None:
+        outputs = self._engine.step()
+        self._deliver(outputs)
+
+    def _deliver(self, outputs) -> None:
+        done = [(self._waiters.pop(o.request_id, None), o) for o in outputs if o.finished]
+        if done:
+
+            def resolve_all():
+                for future, output in done:
+                    if future is not None and not future.done():
+                        future.set_result(output)
+
+            self._loop.call_soon_threadsafe(resolve_all)
+
+    def _close(self) -> None:
+        """Fail every pending caller and release the engine (thread exits after)."""
+        error = self._dead_error()
+        pending = list(self._waiters.values()) + self._idle_waiters
+        pending += [f for batch in self._held for f in batch[3]]
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                pending.append(item[2])
+        for future in pending:
+            self._resolve(future, error=error)
+        self._waiters.clear()
+        self._held.clear()
+        self._idle_waiters.clear()
+        if self._engine is not None:
+            try:
+                self._engine.engine_core.shutdown()
+            except Exception:
+                logger.exception("in-process vLLM engine shutdown failed")
+        if self._error is None:
+            self._error = RuntimeError("shut down")
+
+    def _build(self, engine_args) -> None:
+        vllm = vllm_inproc_api()
+        config = engine_args.create_engine_config(vllm.UsageContext.ENGINE_CONTEXT)
+        self._engine = vllm.LLMEngine(
+            vllm_config=config,
+            executor_class=vllm.Executor.get_class(config),
+            log_stats=False,  # load comes from the scheduler itself (see load())
+            multiprocess_mode=False,
+        )
+
+    def _add_batch(self, inputs, params, request_ids, futures) -> None:
+        if self._paused:
+            self._held.append((inputs, params, request_ids, futures))
+            return
+        added: list[str] = []
+        try:
+            for prompt, sp, rid, future in zip(inputs, params, request_ids, futures, strict=True):
+                self._engine.add_request(rid, prompt, sp)
+                self._waiters[rid] = future
+                added.append(rid)
+        except Exception:
+            if added:
+                self._engine.abort_request(added)
+                for rid in added:
+                    self._waiters.pop(rid, None)
+            raise
+
+    def _abort(self, external_ids: set[str] | None) -> None:
+        """Abort in-flight requests (all if ``external_ids`` is None) with final outputs.
+
+        vLLM's ``LLMEngine.abort_request`` drops a request without an output; a caller
+        waiting on it must get one, so the abort goes through the output processor as
+        an engine-core output with finish reason ``abort`` (what ``AsyncLLM`` receives
+        from its engine core), then the scheduler frees the requests.
+        """
+        vllm = vllm_inproc_api()
+        processor = self._engine.output_processor
+        internal = [
+            rid
+            for rid, state in processor.request_states.items()
+            if external_ids is None or state.external_req_id in external_ids
+        ]
+        if internal:
+            aborted = processor.process_outputs(
+                [
+                    vllm.EngineCoreOutput(rid, [], finish_reason=vllm.FinishReason.ABORT)
+                    for rid in internal
+                ]
+            )
+            self._engine.engine_core.abort_requests(internal)
+            self._deliver(aborted.request_outputs)
+        if external_ids:  # held batches the caller gave up on never start
+            dropped = [b for b in self._held if external_ids.intersection(b[2])]
+            self._held = [b for b in self._held if not external_ids.intersection(b[2])]
+            for future in (f for batch in dropped for f in batch[3]):
+                self._loop.call_soon_threadsafe(future.cancel)
+
+    def _pause(self, mode: str, idle: asyncio.Future | None) -> None:
+        self._paused = True
+        if mode == "abort":
+            self._abort(None)
+        elif mode == "keep":
+            self._frozen = True
+        elif mode == "wait":
+            self._idle_waiters.append(idle)
+        else:
+            raise ValueError(f"pause mode {mode!r} is not one of ('abort', 'wait', 'keep')")
+
+    def _clear_caches(self) -> None:
+        # As vLLM's pause(clear_cache=True): running requests lose their cached blocks
+        # too and recompute them on resume.
+        self._engine.reset_prefix_cache(reset_running_requests=True)
+        self._engine.reset_mm_cache()
+
+    def _resume(self) -> None:
+        self._paused = self._frozen = False
+        held, self._held = self._held, []
+        for inputs, params, request_ids, futures in held:
+            try:
+                self._add_batch(inputs, params, request_ids, futures)
+            except Exception as e:
+                for future in futures:
+                    self._resolve(future, error=e)
