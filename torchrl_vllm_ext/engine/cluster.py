@@ -187,13 +187,15 @@ def process_env(res: ReplicaResources) -> dict[str, str | None]:
 
     On CPU:
 
-    * OpenMP threads: a replica that owns its node leaves one core to its engine core
-      and actor. They work at every engine step, and an OpenMP team spread over every
-      core stalls at each barrier whenever one of them is preempted (2 cores, tiny
-      model: 2 threads 3.0k tok/s, 1 thread 5.9k).
-    * a single-worker replica runs its worker inside the engine-core process (vLLM's
-      uni executor): no worker process polling beside it, one IPC hop less per step
-      and per weight load (a 355 MB load in the pause: 189 ms -> 129 ms).
+    * OpenMP threads: a replica that owns its node leaves one core to the rest of its
+      processes (Ray's threads, an ``AsyncLLM`` engine core). An OpenMP team spread
+      over every core stalls at each barrier whenever one of its threads is preempted
+      (2 cores, tiny model, engine in the actor: 2 threads 0.72-0.78 of in-process
+      ``vllm.LLM``, 1 thread 0.92-1.02; ``AsyncLLM``: 3.0k vs 5.9k tok/s).
+    * a single-worker ``AsyncLLM`` replica runs its worker inside the engine-core
+      process (vLLM's uni executor): no worker process polling beside it, one IPC hop
+      less per step and per weight load (355 MB in the pause: 189 ms -> 129 ms). An
+      in-process replica (:func:`in_process_engine`) builds its uni executor itself.
 
     On GPU, vLLM's defaults (Ray sets OMP_NUM_THREADS for its workers: unset it).
     """
