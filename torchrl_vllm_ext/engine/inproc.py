@@ -162,7 +162,13 @@ class InprocEngine:
             else:
                 future.set_result(result)
 
-        self._loop.call_soon_threadsafe(done)
+        self._post(done)
+
+    def _post(self, fn: Callable) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the actor's loop is closed: nobody waits any more
+            pass
 
     # ------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -198,6 +204,9 @@ class InprocEngine:
             result = fn(*args)
         except Exception as e:  # the caller's error; the engine goes on
             self._resolve(future, error=e)
+        except BaseException:
+            self._resolve(future, error=self._dead_error())
+            raise
         else:
             self._resolve(future, result)
 
@@ -219,7 +228,7 @@ class InprocEngine:
                     if future is not None and not future.done():
                         future.set_result(output)
 
-            self._loop.call_soon_threadsafe(resolve_all)
+            self._post(resolve_all)
 
     def _close(self) -> None:
         """Fail every pending caller and release the engine (thread exits after)."""
@@ -301,7 +310,7 @@ class InprocEngine:
             dropped = [b for b in self._held if external_ids.intersection(b[2])]
             self._held = [b for b in self._held if not external_ids.intersection(b[2])]
             for future in (f for batch in dropped for f in batch[3]):
-                self._loop.call_soon_threadsafe(future.cancel)
+                self._post(future.cancel)
 
     def _pause(self, mode: str, idle: asyncio.Future | None) -> None:
         self._paused = True

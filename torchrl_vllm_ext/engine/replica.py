@@ -28,7 +28,13 @@ from torchrl_vllm_ext.errors import (
     ReplicaStartupError,
     WeightSyncError,
 )
-from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestData, SampleData
+from torchrl_vllm_ext.messages import (
+    ReplicaInfo,
+    ReplicaStats,
+    RequestBatch,
+    RequestData,
+    SampleData,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +199,7 @@ class VLLMReplica:
         sampling_params,
         request_ids: Sequence[str],
         timeout: float | None = None,
-    ) -> list[RequestData]:
+    ) -> RequestBatch:
         """Generate a batch; ``sampling_params`` is one ``SamplingParams`` or one per prompt.
 
         On timeout every request of the batch is aborted inside vLLM before
@@ -233,7 +239,8 @@ class VLLMReplica:
         finally:
             self._outstanding -= len(prompts)
         version_end = self._version
-        return [to_request_data(o, self.replica_id, version_start, version_end) for o in done]
+        data = [to_request_data(o, self.replica_id, version_start, version_end) for o in done]
+        return RequestBatch.pack(data, self.replica_id, version_start, version_end)
 
     async def _run_batch(self, inputs: list[dict], params: list, request_ids: list[str]) -> list:
         if self._in_process:

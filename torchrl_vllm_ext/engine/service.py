@@ -414,13 +414,16 @@ class VLLMService:
         pending = list(range(len(prompts)))
         for attempt in range(self.config.max_retries + 1):
             live = await self._wait_for_ready()
-            loads = await self._loads(live, strategies)
-            assignment = route(
-                RoutingRequest([prompts[i] for i in pending], [expected[i] for i in pending]),
-                loads,
-                strategies,
-                self._router_state,
-            )
+            if len(live) == 1:  # nothing to choose: skip the prefix hashes and stats calls
+                assignment = [live[0].replica_id] * len(pending)
+            else:
+                loads = await self._loads(live, strategies)
+                assignment = route(
+                    RoutingRequest([prompts[i] for i in pending], [expected[i] for i in pending]),
+                    loads,
+                    strategies,
+                    self._router_state,
+                )
             groups: dict[int, list[int]] = {}
             for idx, rid in zip(pending, assignment, strict=True):
                 groups.setdefault(rid, []).append(idx)
@@ -467,7 +470,11 @@ class VLLMService:
         try:
             sp = [params[i] for i in idxs] if per_prompt else params[0]
             ids = [f"{prefix}-{i}" for i in idxs]
-            return await rep.actor.generate.remote([prompts[i] for i in idxs], sp, ids, timeout)
+            # Lists, not arrays: Ray gives every array its own out-of-band buffer.
+            batch = await rep.actor.generate.remote(
+                [prompts[i].tolist() for i in idxs], sp, ids, timeout
+            )
+            return batch.unpack()
         finally:
             rep.inflight -= len(idxs)
             if rep.inflight == 0:

@@ -1,0 +1,59 @@
+"""RequestBatch: a replica call's results in flat arrays, unpacked to the same RequestData."""
+
+import numpy as np
+
+from torchrl_vllm_ext.messages import RequestBatch, RequestData, SampleData
+
+
+def sample(ids, lps=True, reason="length"):
+    ids = np.asarray(ids, dtype=np.int64)
+    lp = -np.arange(1, ids.size + 1, dtype=np.float32) if lps else None
+    return SampleData(token_ids=ids, logprobs=lp, finish_reason=reason, stop_reason=None, text="t")
+
+
+def request(prompt, samples, prompt_lp):
+    prompt = np.asarray(prompt, dtype=np.int64)
+    plp = None
+    if prompt_lp:
+        plp = -np.arange(prompt.size, dtype=np.float32)
+        plp[0] = np.nan
+    return RequestData(prompt, plp, samples, 1, "3", "4")
+
+
+def test_pack_unpack_round_trip_with_missing_logprobs_and_empty_samples():
+    data = [
+        request([1, 2, 3], [sample([4, 5]), sample([], reason="abort")], prompt_lp=True),
+        request([6], [sample([7, 8, 9], lps=False, reason="stop")], prompt_lp=False),
+    ]
+    batch = RequestBatch.pack(data, 1, "3", "4")
+    assert batch.token_ids.tolist() == [4, 5, 7, 8, 9] and batch.prompt_lengths.tolist() == [3, 1]
+    back = batch.unpack()
+    assert len(back) == 2
+    for a, b in zip(data, back, strict=True):
+        np.testing.assert_array_equal(a.prompt_token_ids, b.prompt_token_ids)
+        if a.prompt_logprobs is None:
+            assert b.prompt_logprobs is None
+        else:
+            np.testing.assert_array_equal(a.prompt_logprobs, b.prompt_logprobs)
+        assert (a.replica_id, a.weight_version_start, a.weight_version_end) == (
+            b.replica_id,
+            b.weight_version_start,
+            b.weight_version_end,
+        )
+        assert len(a.samples) == len(b.samples)
+        for s, t in zip(a.samples, b.samples, strict=True):
+            np.testing.assert_array_equal(s.token_ids, t.token_ids)
+            assert t.token_ids.dtype == np.int64
+            assert (s.finish_reason, s.stop_reason, s.text) == (
+                t.finish_reason,
+                t.stop_reason,
+                t.text,
+            )
+            if s.logprobs is None:
+                assert t.logprobs is None
+            else:
+                np.testing.assert_array_equal(s.logprobs, t.logprobs)
+
+
+def test_empty_batch():
+    assert RequestBatch.pack([], 0, "0", "0").unpack() == []
