@@ -12,7 +12,7 @@ from torchrl_vllm_ext import (
     VLLMService,
 )
 
-OK = {"max_tokens": 2}
+OK = {"max_tokens": 2, "ignore_eos": True}  # exactly 2 tokens, even if EOS is drawn
 
 CASES = [
     ("empty prompt", [[1, 2], []], OK, {}, InvalidRequestError, "prompt 1 is empty"),

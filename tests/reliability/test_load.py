@@ -87,5 +87,5 @@ def test_concurrent_load_without_deadlock_and_flat_memory(service, duration):
     assert rss_end < rss_start * 1.5 + 200e6, (
         f"RSS grew {rss_start / 1e6:.0f} -> {rss_end / 1e6:.0f} MB"
     )
-    data = service.generate_batch([[1, 2, 3]], {"max_tokens": 2})
+    data = service.generate_batch([[1, 2, 3]], {"max_tokens": 2, "ignore_eos": True})
     assert len(data[0].samples[0].token_ids) == 2

@@ -85,7 +85,7 @@ def test_replicas_keep_insecure_serialization_off(service):
         handle = service.replica_handle(rid)
         with pytest.raises(Exception, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
             ray.get(handle.collective_rpc.remote(len, ()))
-    out = service.generate_batch([[1, 2, 3]], {"max_tokens": 2})
+    out = service.generate_batch([[1, 2, 3]], {"max_tokens": 2, "ignore_eos": True})
     assert len(out[0].samples[0].token_ids) == 2
 
 
