@@ -330,10 +330,10 @@ class VLLMReplica:
         self._require_engine()
         if not isinstance(method, str):
             # An in-process engine would run a callable as is; vLLM's engine-core channel
-            # refuses to send one unless VLLM_ALLOW_INSECURE_SERIALIZATION=1. Refuse both.
+            # refuses to send one unless insecure serialization is switched on. Refuse both.
             raise InvalidRequestError(
                 f"collective_rpc takes the name of a worker method, not {method!r}; callables "
-                "are refused (vLLM sends them only with VLLM_ALLOW_INSECURE_SERIALIZATION=1)."
+                "are refused (vLLM sends them only when VLLM_ALLOW_INSECURE_SERIALIZATION is on)."
             )
         return await self._worker_call(method, tuple(args), kwargs)
 
