@@ -21,13 +21,22 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from torchrl_vllm_ext._compat import vllm_inproc_api
 
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+
+
+class _Batch(NamedTuple):
+    """Requests submitted together, with the futures their outputs go to."""
+
+    inputs: list
+    params: list
+    request_ids: list[str]
+    futures: list[asyncio.Future]
 
 
 class InprocEngine:
@@ -42,7 +51,7 @@ class InprocEngine:
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._engine = None  # owned by the thread
         self._waiters: dict[str, asyncio.Future] = {}  # request id -> final output
-        self._held: list[tuple] = []  # batches submitted while paused
+        self._held: list[_Batch] = []  # batches submitted while paused
         self._idle_waiters: list[asyncio.Future] = []  # pause("wait") callers
         self._paused = False
         self._frozen = False  # pause("keep"): no steps at all
@@ -81,7 +90,8 @@ class InprocEngine:
         caller does not abort the requests: call :meth:`abort` with their ids.
         """
         futures = [self._loop.create_future() for _ in request_ids]
-        await self._call(self._add_batch, list(inputs), list(params), list(request_ids), futures)
+        batch = _Batch(list(inputs), list(params), list(request_ids), futures)
+        await self._call(self._add_batch, batch)
         return list(await asyncio.gather(*futures))
 
     async def abort(self, request_ids: Sequence[str]) -> None:
@@ -129,7 +139,7 @@ class InprocEngine:
             return 0, 0, 0.0
         scheduler = self._engine.engine_core.engine_core.scheduler
         running, waiting = scheduler.get_request_counts()
-        held = sum(len(batch[2]) for batch in self._held)
+        held = sum(len(batch.request_ids) for batch in self._held)
         return int(running), int(waiting) + held, float(scheduler.get_kv_cache_usage())
 
     def shutdown(self) -> None:
@@ -234,7 +244,7 @@ class InprocEngine:
         """Fail every pending caller and release the engine (thread exits after)."""
         error = self._dead_error()
         pending = list(self._waiters.values()) + self._idle_waiters
-        pending += [f for batch in self._held for f in batch[3]]
+        pending += [f for batch in self._held for f in batch.futures]
         while True:
             try:
                 item = self._calls.get_nowait()
@@ -265,13 +275,13 @@ class InprocEngine:
             multiprocess_mode=False,
         )
 
-    def _add_batch(self, inputs, params, request_ids, futures) -> None:
+    def _add_batch(self, batch: _Batch) -> None:
         if self._paused:
-            self._held.append((inputs, params, request_ids, futures))
+            self._held.append(batch)
             return
         added: list[str] = []
         try:
-            for prompt, sp, rid, future in zip(inputs, params, request_ids, futures, strict=True):
+            for prompt, sp, rid, future in zip(*batch, strict=True):
                 self._engine.add_request(rid, prompt, sp)
                 self._waiters[rid] = future
                 added.append(rid)
@@ -307,9 +317,9 @@ class InprocEngine:
             self._engine.engine_core.abort_requests(internal)
             self._deliver(aborted.request_outputs)
         if external_ids:  # held batches the caller gave up on never start
-            dropped = [b for b in self._held if external_ids.intersection(b[2])]
-            self._held = [b for b in self._held if not external_ids.intersection(b[2])]
-            for future in (f for batch in dropped for f in batch[3]):
+            dropped = [b for b in self._held if external_ids.intersection(b.request_ids)]
+            self._held = [b for b in self._held if not external_ids.intersection(b.request_ids)]
+            for future in (f for batch in dropped for f in batch.futures):
                 self._post(future.cancel)
 
     def _pause(self, mode: str, idle: asyncio.Future | None) -> None:
@@ -332,9 +342,9 @@ class InprocEngine:
     def _resume(self) -> None:
         self._paused = self._frozen = False
         held, self._held = self._held, []
-        for inputs, params, request_ids, futures in held:
+        for batch in held:
             try:
-                self._add_batch(inputs, params, request_ids, futures)
+                self._add_batch(batch)
             except Exception as e:
-                for future in futures:
+                for future in batch.futures:
                     self._resolve(future, error=e)

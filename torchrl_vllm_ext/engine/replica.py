@@ -217,24 +217,24 @@ class VLLMReplica:
         # with older weights can never serve a request made after a sync.
         salt = f"w{self._version}"
         inputs = [{"prompt_token_ids": list(map(int, p)), "cache_salt": salt} for p in prompts]
-        tasks = [asyncio.create_task(self._run_batch(inputs, params, list(request_ids)))]
+        task = asyncio.create_task(self._run_batch(inputs, params, list(request_ids)))
         try:
-            (done,) = await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+            done = await asyncio.wait_for(task, timeout)
         except TimeoutError:
-            await self._abort(tasks, request_ids)
+            await self._abort(task, request_ids)
             raise GenerationTimeoutError(
                 f"replica {self.replica_id}: {len(prompts)} requests did not finish within "
                 f"timeout={timeout}s and were aborted in vLLM; raise the timeout or lower max_tokens."
             ) from None
         except vllm_validation_errors() as e:
-            await self._abort(tasks, request_ids)
+            await self._abort(task, request_ids)
             raise InvalidRequestError(
                 f"replica {self.replica_id}: vLLM rejected the request: {e}"
             ) from e
         except engine_dead_errors() as e:
             raise ReplicaDeadError(f"replica {self.replica_id}: the vLLM engine died: {e}") from e
         except BaseException:
-            await self._abort(tasks, request_ids)
+            await self._abort(task, request_ids)
             raise
         finally:
             self._outstanding -= len(prompts)
@@ -255,12 +255,11 @@ class VLLMReplica:
             final = out
         return final
 
-    async def _abort(self, tasks, request_ids) -> None:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        # Cancelling generate() aborts its request; abort by id as well, since a task
-        # cancelled before add_request ran has nothing to abort, and aborting is idempotent.
+    async def _abort(self, task: asyncio.Task, request_ids) -> None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        # Cancelling AsyncLLM.generate() aborts its request, an in-process batch is not;
+        # abort by id as well (idempotent), which also covers requests never added.
         if self.engine is not None and not self.engine.errored:
             await self.engine.abort(list(request_ids))
 
