@@ -10,10 +10,14 @@ Systems, all on the same tiny model and prompts, timed in alternating rounds:
   the policy's parameters (no detokenisation), so the ratio isolates the policy's own cost;
 - ``policy``: ``VLLMPolicy(td)`` over that service, TorchRL layout out (``pad_output=False``).
 
-Each timed round starts after every engine went idle (vLLM's workers busy-poll for 1 s
-after their last step; Ray runs its workers at nice 15). Medians are reported.
+The systems run back to back, in forward then reverse order on alternate rounds, so each
+is measured on an equally warm machine. No system leaves work behind when it returns (every
+engine here is in-process: no engine-core busy-poll; measured: 1-3% of a core in the second
+after a call). An idle gap before each timed call only adds noise on these machines: the
+same Python loop runs a median 30% slower right after 1.5 s idle than straight after other
+work (``--idle S`` restores a gap). Medians are reported, and the per-round (paired) ratios.
 
-    python benchmarks/bench_policy.py [--prompts 64 --max-tokens 32 --rounds 5]
+    python benchmarks/bench_policy.py [--prompts 64 --max-tokens 32 --rounds 15 --idle 0]
 
 Prints one JSON object. Targets: ``policy / raw_vllm >= 0.97`` and
 ``policy / torchrl_wrapper >= 1.15``.
@@ -33,8 +37,6 @@ import numpy as np
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process LLM: fast start
-
-IDLE_S = 1.5  # > vLLM's 1 s busy-poll window after a step
 
 
 def make_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -113,7 +115,8 @@ def main(args) -> dict:
             order = list(systems) if r % 2 == 0 else list(reversed(systems))
             for name in order:
                 td = prompts_td(prompts)  # the caller's input, built outside the timing
-                time.sleep(IDLE_S)
+                if args.idle:
+                    time.sleep(args.idle)
                 start = time.perf_counter()
                 tokens = systems[name](td)
                 tps[name].append(tokens / (time.perf_counter() - start))
@@ -126,6 +129,7 @@ def main(args) -> dict:
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
+        "idle_s": args.idle,
         **{f"{name}_tokens_per_s": round(v, 1) for name, v in med.items()},
         "ratio_policy_vs_raw_vllm": round(med["policy"] / med["raw_vllm"], 3),
         "ratio_policy_vs_service": round(med["policy"] / med["service"], 3),
@@ -147,7 +151,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument(
+        "--idle", type=float, default=0.0, help="seconds idle before each timed call"
+    )
     parser.add_argument("--enforce-eager", action="store_true")
     logging.basicConfig(level=logging.WARNING)
     print(json.dumps(main(parser.parse_args()), indent=2))
