@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
 def fsync_path(path: str | Path) -> None:
@@ -19,4 +21,27 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-__all__ = ["fsync_path"]
+def write_text_atomic(path: str | Path, text: str, fsync_dir=None) -> None:
+    """Replace ``path`` with ``text`` atomically and durably (0600).
+
+    Write a temporary file beside it, fsync it, rename it over ``path``, fsync the
+    directory: a reader sees the old content or the new, never a torn file, even if
+    the writer is killed. ``fsync_dir`` replaces :func:`fsync_path` for the last step.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    (fsync_dir or fsync_path)(path.parent)
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    """:func:`write_text_atomic` of ``obj`` as JSON."""
+    write_text_atomic(path, json.dumps(obj))
+
+
+__all__ = ["fsync_path", "write_json_atomic", "write_text_atomic"]

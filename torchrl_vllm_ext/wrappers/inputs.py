@@ -199,3 +199,13 @@ def read_histories(rows: Sequence[TensorDictBase], key: NestedKey) -> list[Any]:
             )
         out.append(history)
     return out
+
+
+def tokenize(tokenizer, texts: Sequence[str], add_special_tokens: bool = True) -> list[np.ndarray]:
+    """Token ids of each text as int64 arrays (one tokenizer call for the batch).
+
+    Text prompts get the tokenizer's special tokens; chat-templated text already holds
+    them (``add_special_tokens=False``), as in TorchRL's wrappers.
+    """
+    ids = tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+    return [np.asarray(x, dtype=np.int64) for x in ids]
