@@ -62,7 +62,8 @@ async def main(args) -> dict:
     from torchrl_vllm_ext.engine.validation import make_sampling_params
     from torchrl_vllm_ext.testing import make_tiny_model
 
-    AsyncLLM, AsyncEngineArgs, *_ = vllm_engine_api()
+    vllm = vllm_engine_api()
+    AsyncLLM, AsyncEngineArgs = vllm.AsyncLLM, vllm.AsyncEngineArgs
     model = str(make_tiny_model(seed=0))
     engine_kwargs = {
         "max_model_len": 512,

@@ -52,17 +52,19 @@ def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
     """One header RPC to every replica plus one broadcast, per parameter; each is loaded."""
     import ray
 
-    from torchrl_vllm_ext.weight_sync.broadcast import header_to_json, pack
+    from torchrl_vllm_ext.protocol import WorkerMethods
+    from torchrl_vllm_ext.weight_sync.packing import header_to_json, pack
 
+    transport = scheme.transport_impl
     replicas = scheme._replicas()
-    scheme._ensure_group(replicas)
+    scheme.service.run(transport._ensure_group(replicas))
     for name, t in tensors.items():
         header, buffers = pack({name: t}, "per-param")
         refs = [
-            h.collective_rpc.remote("receive_weight_broadcast", (header_to_json(header), True))
+            h.collective_rpc.remote(WorkerMethods.RECEIVE_BROADCAST, (header_to_json(header),))
             for _, h in replicas
         ]
-        scheme._group.send(buffers)
+        transport.group.send(buffers)
         ray.get(refs)
 
 

@@ -10,7 +10,7 @@ import importlib
 
 _EXPORTS = {
     "VLLMService": "torchrl_vllm_ext.engine.service",
-    "ServiceConfig": "torchrl_vllm_ext.engine.service",
+    "ServiceConfig": "torchrl_vllm_ext.engine.config",
     "VLLMPolicy": "torchrl_vllm_ext.wrappers",
     "WeightSyncScheme": "torchrl_vllm_ext.weight_sync.scheme",
     "SyncReport": "torchrl_vllm_ext.weight_sync.scheme",

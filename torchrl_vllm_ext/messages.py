@@ -137,11 +137,15 @@ class SlotManifest:
 
 @dataclass
 class RequestBatch:
-    """The finished requests of one replica call, field by field in flat arrays.
+    """Finished requests, field by field in flat arrays: the one form results travel in.
 
-    Ray serialises every numpy array as its own out-of-band buffer: a batch of 64
-    requests as :class:`RequestData` costs ~130 buffers and ~8 ms to deserialise on
-    the driver, as a few flat arrays well under 1 ms. :meth:`unpack` returns views.
+    A replica returns one; the service merges the replicas' batches into one in input
+    order, which goes straight into the TensorDict conversion
+    (:mod:`torchrl_vllm_ext.wrappers.convert`). Ray serialises every numpy array as its
+    own out-of-band buffer: 64 requests as :class:`RequestData` cost ~130 buffers and
+    ~8 ms to deserialise on the driver, as these few flat arrays well under 1 ms.
+    :meth:`unpack` gives :class:`RequestData` views for callers that want one object
+    per request.
     """
 
     prompt_token_ids: np.ndarray
@@ -149,7 +153,8 @@ class RequestBatch:
     prompt_lengths: np.ndarray
     """Tokens per prompt (R,)."""
     prompt_logprobs: np.ndarray
-    """Prompt log-probs, concatenated like the ids (float32; NaN where not asked)."""
+    """Prompt log-probs, concatenated like the ids (float32; NaN where not asked, and at
+    each prompt's first token)."""
     has_prompt_logprobs: np.ndarray
     """Whether request r asked for prompt log-probs (bool, R)."""
     samples_per_request: np.ndarray
@@ -163,14 +168,29 @@ class RequestBatch:
     has_logprobs: np.ndarray
     """Whether sample s carries log-probs (bool, S)."""
     finish_reasons: list
+    """vLLM's finish reason of each sample (S)."""
     stop_reasons: list
+    """The stop string or token that ended each sample, if any (S)."""
     texts: list[str]
-    replica_id: int
-    weight_version_start: str
-    weight_version_end: str
+    """Detokenised completion of each sample ("" when detokenisation is off) (S)."""
+    replica_ids: np.ndarray
+    """Replica that served each request (R,)."""
+    versions_start: list[str]
+    """Weight version of the replica when each request was admitted (R)."""
+    versions_end: list[str]
+    """Weight version when it finished (differs only if a ``keep`` pause spanned a sync) (R)."""
+
+    def __len__(self) -> int:
+        return len(self.prompt_lengths)
+
+    @property
+    def request_of_sample(self) -> np.ndarray:
+        """Index of the request each sample belongs to (S,)."""
+        return np.repeat(np.arange(len(self)), self.samples_per_request)
 
     @classmethod
-    def pack(cls, requests: list[RequestData], replica_id: int, start: str, end: str):
+    def from_requests(cls, requests: list[RequestData]) -> RequestBatch:
+        """Pack :class:`RequestData` (e.g. built by hand in a test) into flat arrays."""
         samples = [s for r in requests for s in r.samples]
 
         def cat(arrays, dtype):
@@ -203,12 +223,70 @@ class RequestBatch:
             finish_reasons=[s.finish_reason for s in samples],
             stop_reasons=[s.stop_reason for s in samples],
             texts=[s.text for s in samples],
-            replica_id=replica_id,
-            weight_version_start=start,
-            weight_version_end=end,
+            replica_ids=np.array([r.replica_id for r in requests], dtype=np.int64),
+            versions_start=[r.weight_version_start for r in requests],
+            versions_end=[r.weight_version_end for r in requests],
+        )
+
+    @classmethod
+    def merge(cls, parts: list[tuple[list[int], RequestBatch]], n: int) -> RequestBatch:
+        """One batch of ``n`` requests from ``(input indices, batch)`` parts, in input order."""
+        if len(parts) == 1 and parts[0][0] == list(range(n)):
+            return parts[0][1]
+        whole = cls.concat([b for _, b in parts])
+        position = np.concatenate([np.asarray(idxs, dtype=np.int64) for idxs, _ in parts])
+        order = np.empty(n, dtype=np.int64)
+        order[position] = np.arange(n)
+        return whole.take(order)
+
+    @classmethod
+    def concat(cls, batches: list[RequestBatch]) -> RequestBatch:
+        """The requests of ``batches`` one after the other."""
+        first = batches[0]
+        if len(batches) == 1:
+            return first
+        fields = {}
+        for name in first.__dataclass_fields__:
+            values = [getattr(b, name) for b in batches]
+            if isinstance(values[0], np.ndarray):
+                fields[name] = np.concatenate(values)
+            else:
+                fields[name] = [v for vs in values for v in vs]
+        return cls(**fields)
+
+    def take(self, order: np.ndarray) -> RequestBatch:
+        """The requests at indices ``order`` (vectorised: one gather per field)."""
+
+        def gather(lengths, picked):
+            """Flat indices of the segments ``picked`` of a concatenation with ``lengths``."""
+            starts, sizes = np.cumsum(lengths) - lengths, lengths[picked]
+            within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+            return np.repeat(starts[picked], sizes) + within
+
+        tokens = gather(self.prompt_lengths, order)
+        samples = gather(self.samples_per_request, order)
+        sample_tokens = gather(self.sample_lengths, samples)
+        return RequestBatch(
+            prompt_token_ids=self.prompt_token_ids[tokens],
+            prompt_lengths=self.prompt_lengths[order],
+            prompt_logprobs=self.prompt_logprobs[tokens],
+            has_prompt_logprobs=self.has_prompt_logprobs[order],
+            samples_per_request=self.samples_per_request[order],
+            token_ids=self.token_ids[sample_tokens],
+            sample_lengths=self.sample_lengths[samples],
+            logprobs=self.logprobs[sample_tokens],
+            has_logprobs=self.has_logprobs[samples],
+            finish_reasons=[self.finish_reasons[s] for s in samples.tolist()],
+            stop_reasons=[self.stop_reasons[s] for s in samples.tolist()],
+            texts=[self.texts[s] for s in samples.tolist()],
+            replica_ids=self.replica_ids[order],
+            versions_start=[self.versions_start[r] for r in order.tolist()],
+            versions_end=[self.versions_end[r] for r in order.tolist()],
         )
 
     def unpack(self) -> list[RequestData]:
+        """One :class:`RequestData` per request (views of the flat arrays)."""
+
         def split(flat, lengths):
             return np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
 
@@ -233,9 +311,9 @@ class RequestBatch:
                     prompt_token_ids=prompts[r],
                     prompt_logprobs=prompt_lps[r] if self.has_prompt_logprobs[r] else None,
                     samples=samples[first : first + n],
-                    replica_id=self.replica_id,
-                    weight_version_start=self.weight_version_start,
-                    weight_version_end=self.weight_version_end,
+                    replica_id=int(self.replica_ids[r]),
+                    weight_version_start=self.versions_start[r],
+                    weight_version_end=self.versions_end[r],
                 )
             )
             first += n

@@ -1,8 +1,9 @@
 """Both vLLM-CPU weight layouts take a storage update exactly.
 
 Default: linear weights stay in checkpoint layout and an update is the model's own
-``load_weights`` (in place). ``TORCHRL_VLLM_CPU_PACKED_WEIGHTS=1``: vLLM's oneDNN
-packing, updated by its layerwise reload plus the tied-LM-head refresh. Each case
+``load_weights`` (in place). ``ServiceConfig(cpu_packed_weights=True)`` (which sets
+``TORCHRL_VLLM_CPU_PACKED_WEIGHTS=1`` in the worker): vLLM's oneDNN packing, updated
+by its layerwise reload plus the tied-LM-head refresh. Each case
 runs a real in-process ``vllm.LLM`` with the package's worker extension in a fresh
 interpreter (the layout switch is process-wide), loads a perturbed model through
 ``load_weights_from_storage`` and compares prompt log-probs with transformers.
@@ -23,10 +24,10 @@ import torch
 from transformers import AutoModelForCausalLM
 from vllm import LLM, SamplingParams
 
-from torchrl_vllm_ext.engine.cluster import WORKER_EXTENSION
+from torchrl_vllm_ext.protocol import WORKER_EXTENSION
 from torchrl_vllm_ext.weight_sync.cpu_layout import loads_in_place
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
-from torchrl_vllm_ext.weight_sync.storage import SlotWriter
+from torchrl_vllm_ext.weight_sync.slots import SlotWriter
 
 model_dir, slots = sys.argv[1], sys.argv[2]
 llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=128,

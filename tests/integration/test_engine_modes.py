@@ -1,5 +1,5 @@
 """The two replica engines agree: vLLM's ``LLMEngine`` in the actor (CPU default) and
-``AsyncLLM`` with its engine-core process (``TORCHRL_VLLM_ENGINE_PROCESS=1``, GPU default)."""
+``AsyncLLM`` with its engine-core process (``engine_process=True``, GPU default)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import psutil
 import ray
 
 from torchrl_vllm_ext import VLLMService
-from torchrl_vllm_ext.engine.cluster import ENGINE_PROCESS_ENV
 
 from .conftest import CPUS_PER_REPLICA, ENGINE_KWARGS
 
@@ -28,14 +27,17 @@ def engine_children(svc) -> list[str]:
 
 
 def test_async_engine_replica_gives_the_in_process_replicas_tokens_and_logprobs(
-    service, tiny_model, monkeypatch
+    service, tiny_model
 ):
     in_process = service.generate_batch(PROMPTS, PARAMS)
     assert engine_children(service) == [], "CPU replicas run their engine in the actor"
 
-    monkeypatch.setenv(ENGINE_PROCESS_ENV, "1")
     with VLLMService.launch(
-        tiny_model, num_replicas=1, cpus_per_replica=CPUS_PER_REPLICA, **ENGINE_KWARGS
+        tiny_model,
+        num_replicas=1,
+        cpus_per_replica=CPUS_PER_REPLICA,
+        engine_process=True,
+        **ENGINE_KWARGS,
     ) as svc:
         assert len(engine_children(svc)) == 1, "AsyncLLM runs an engine-core process"
         separate = svc.generate_batch(PROMPTS, PARAMS)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.storage import SlotReader, SlotWriter, read_published
+from torchrl_vllm_ext.weight_sync.slots import SlotReader, SlotWriter, read_published
 
 NUM_TENSORS = 6
 SHAPE = (256, 256)
@@ -49,7 +49,7 @@ def _die() -> None:
 
 def write_and_die(root: str, version: int, point: str | None) -> None:
     """Child process: publish ``version``, SIGKILLing itself at ``point`` (None: after a delay)."""
-    from torchrl_vllm_ext.weight_sync import storage
+    from torchrl_vllm_ext.weight_sync import slots as storage
 
     if point == "start":
         _die()

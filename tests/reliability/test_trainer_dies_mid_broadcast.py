@@ -18,7 +18,8 @@ import pytest
 import ray
 
 from torchrl_vllm_ext import WeightSyncError, WeightSyncScheme
-from torchrl_vllm_ext.weight_sync.broadcast import free_port, header_to_json, pack
+from torchrl_vllm_ext.weight_sync.collective import free_port
+from torchrl_vllm_ext.weight_sync.packing import header_to_json, pack
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
 
 from .conftest import assert_replicas_match, perturb, replica_logprobs, wait_ready, wait_until
@@ -30,7 +31,8 @@ STALL_TIMEOUT_S = 10.0  # the group's timeout when the trainer hangs (SIGSTOP) i
 TRAINER = """
 import os, signal, sys
 from safetensors.torch import load_file
-from torchrl_vllm_ext.weight_sync.broadcast import BroadcastGroup, pack
+from torchrl_vllm_ext.weight_sync.collective import BroadcastGroup
+from torchrl_vllm_ext.weight_sync.packing import pack
 
 host, port, world, timeout, sent, path, bucket_bytes, mode = sys.argv[1:]
 tensors = load_file(path)

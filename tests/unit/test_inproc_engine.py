@@ -103,7 +103,7 @@ def run(coro_fn, engine=None):
 
 def test_batch_is_added_at_once_and_outputs_come_back_in_order():
     async def body(inproc, fake):
-        outs = await inproc.generate_many(["a", "b", "c"], [None] * 3, ["r0", "r1", "r2"])
+        outs = await inproc.generate(["a", "b", "c"], [None] * 3, ["r0", "r1", "r2"])
         assert [o.request_id for o in outs] == ["r0", "r1", "r2"]
         assert fake.stepped == fake.steps, "one batch: the three requests stepped together"
 
@@ -113,22 +113,22 @@ def test_batch_is_added_at_once_and_outputs_come_back_in_order():
 def test_a_rejected_request_rejects_its_batch_and_the_engine_goes_on():
     async def body(inproc, fake):
         with pytest.raises(ValueError, match="bad prompt for r1"):
-            await inproc.generate_many(["a", "bad"], [None] * 2, ["r0", "r1"])
+            await inproc.generate(["a", "bad"], [None] * 2, ["r0", "r1"])
         assert not fake.left, "the accepted part of the batch was taken back"
         assert not inproc.errored
-        assert len(await inproc.generate_many(["a"], [None], ["r2"])) == 1
+        assert len(await inproc.generate(["a"], [None], ["r2"])) == 1
 
     run(body)
 
 
 def test_requests_sent_while_paused_start_on_resume():
     async def body(inproc, fake):
-        await inproc.pause_generation(mode="keep")
-        task = asyncio.create_task(inproc.generate_many(["a"], [None], ["r0"]))
+        await inproc.pause(mode="keep")
+        task = asyncio.create_task(inproc.generate(["a"], [None], ["r0"]))
         await asyncio.sleep(0.2)
         assert not task.done() and fake.stepped == 0
-        assert inproc.load()[1] == 1, "a held request counts as waiting"
-        await inproc.resume_generation()
+        assert inproc.load().waiting == 1, "a held request counts as waiting"
+        await inproc.resume()
         assert len(await task) == 1
 
     run(body)
@@ -137,13 +137,13 @@ def test_requests_sent_while_paused_start_on_resume():
 def test_keep_freezes_in_flight_requests():
     async def body(inproc, fake):
         fake.steps, fake.delay = 50, 0.005
-        task = asyncio.create_task(inproc.generate_many(["a"], [None], ["r0"]))
+        task = asyncio.create_task(inproc.generate(["a"], [None], ["r0"]))
         await asyncio.sleep(0.05)
-        await inproc.pause_generation(mode="keep", clear_cache=False)
+        await inproc.pause(mode="keep", clear_cache=False)
         frozen_at = fake.stepped
         await asyncio.sleep(0.2)
         assert 0 < frozen_at < 50 and fake.stepped == frozen_at and not task.done()
-        await inproc.resume_generation()
+        await inproc.resume()
         await task
         assert fake.stepped == 50
 
@@ -153,11 +153,11 @@ def test_keep_freezes_in_flight_requests():
 def test_wait_returns_once_in_flight_requests_finished():
     async def body(inproc, fake):
         fake.steps, fake.delay = 20, 0.005
-        task = asyncio.create_task(inproc.generate_many(["a", "b"], [None] * 2, ["r0", "r1"]))
+        task = asyncio.create_task(inproc.generate(["a", "b"], [None] * 2, ["r0", "r1"]))
         await asyncio.sleep(0.05)
-        await inproc.pause_generation(mode="wait")
+        await inproc.pause(mode="wait")
         assert task.done() and not fake.left
-        await inproc.resume_generation()
+        await inproc.resume()
 
     run(body)
 
@@ -168,7 +168,7 @@ def test_a_failed_step_fails_every_caller_and_marks_the_engine_dead():
     async def body(inproc, fake):
         fake.fail = True
         with pytest.raises(EngineDeadError, match="kernel crashed"):
-            await inproc.generate_many(["a"], [None], ["r0"])
+            await inproc.generate(["a"], [None], ["r0"])
         assert inproc.errored
         with pytest.raises(EngineDeadError):
             await inproc.check_health()
@@ -177,25 +177,33 @@ def test_a_failed_step_fails_every_caller_and_marks_the_engine_dead():
 
 
 @pytest.mark.parametrize(
-    ("use_gpu", "workers", "env", "expected"),
+    ("use_gpu", "workers", "engine_process", "expected"),
     [
-        (False, 1, None, True),  # CPU, one worker: LLMEngine in the actor
-        (False, 2, None, False),  # tensor parallel: AsyncLLM
-        (True, 1, None, False),  # GPU: AsyncLLM
-        (False, 1, "1", False),  # the user asked for engine processes
-        (False, 1, "0", True),
+        (False, 1, False, True),  # CPU, one worker: LLMEngine in the actor
+        (False, 2, False, False),  # tensor parallel: AsyncLLM
+        (True, 1, False, False),  # GPU: AsyncLLM
+        (False, 1, True, False),  # the user asked for engine processes
     ],
 )
-def test_which_replicas_run_their_engine_in_process(monkeypatch, use_gpu, workers, env, expected):
-    from torchrl_vllm_ext.engine.cluster import (
-        ENGINE_PROCESS_ENV,
-        ReplicaResources,
-        in_process_engine,
-    )
+def test_which_replicas_run_their_engine_in_process(use_gpu, workers, engine_process, expected):
+    from types import SimpleNamespace
 
+    from torchrl_vllm_ext.engine.cluster import ReplicaResources, in_process_engine
+
+    res = ReplicaResources(use_gpu=use_gpu, num_workers=workers, cpus=1.0)
+    assert in_process_engine(res, SimpleNamespace(engine_process=engine_process)) is expected
+
+
+@pytest.mark.parametrize(("env", "expected"), [(None, False), ("1", True), ("0", False)])
+def test_engine_process_env_var_sets_the_config_default(monkeypatch, tmp_path, env, expected):
+    from torchrl_vllm_ext.engine.config import ENGINE_PROCESS_ENV, ServiceConfig
+
+    (tmp_path / "config.json").write_text("{}")
     if env is None:
         monkeypatch.delenv(ENGINE_PROCESS_ENV, raising=False)
     else:
         monkeypatch.setenv(ENGINE_PROCESS_ENV, env)
-    res = ReplicaResources(use_gpu=use_gpu, num_workers=workers, cpus=1.0)
-    assert in_process_engine(res) is expected
+    assert ServiceConfig(model=str(tmp_path)).engine_process is expected
+    assert ServiceConfig(model=str(tmp_path), engine_process=not expected).engine_process is (
+        not expected
+    )

@@ -1,4 +1,4 @@
-"""RequestBatch: a replica call's results in flat arrays, unpacked to the same RequestData."""
+"""RequestBatch: results in flat arrays, unpacked to the same RequestData, merged in input order."""
 
 import numpy as np
 
@@ -11,13 +11,13 @@ def sample(ids, lps=True, reason="length"):
     return SampleData(token_ids=ids, logprobs=lp, finish_reason=reason, stop_reason=None, text="t")
 
 
-def request(prompt, samples, prompt_lp):
+def request(prompt, samples, prompt_lp, replica=1, start="3", end="4"):
     prompt = np.asarray(prompt, dtype=np.int64)
     plp = None
     if prompt_lp:
         plp = -np.arange(prompt.size, dtype=np.float32)
         plp[0] = np.nan
-    return RequestData(prompt, plp, samples, 1, "3", "4")
+    return RequestData(prompt, plp, samples, replica, start, end)
 
 
 def test_pack_unpack_round_trip_with_missing_logprobs_and_empty_samples():
@@ -25,7 +25,7 @@ def test_pack_unpack_round_trip_with_missing_logprobs_and_empty_samples():
         request([1, 2, 3], [sample([4, 5]), sample([], reason="abort")], prompt_lp=True),
         request([6], [sample([7, 8, 9], lps=False, reason="stop")], prompt_lp=False),
     ]
-    batch = RequestBatch.pack(data, 1, "3", "4")
+    batch = RequestBatch.from_requests(data)
     assert batch.token_ids.tolist() == [4, 5, 7, 8, 9] and batch.prompt_lengths.tolist() == [3, 1]
     back = batch.unpack()
     assert len(back) == 2
@@ -56,4 +56,39 @@ def test_pack_unpack_round_trip_with_missing_logprobs_and_empty_samples():
 
 
 def test_empty_batch():
-    assert RequestBatch.pack([], 0, "0", "0").unpack() == []
+    assert RequestBatch.from_requests([]).unpack() == []
+
+
+def test_merge_puts_the_replicas_parts_back_in_input_order():
+    def req(i, replica):
+        n = 1 + i % 3  # samples of different counts and lengths
+        samples = [sample(list(range(i, i + k + 1)), lps=bool(k % 2)) for k in range(n)]
+        return request(
+            [i] * (1 + i % 2),
+            samples,
+            prompt_lp=i % 2 == 0,
+            replica=replica,
+            start=f"s{i}",
+            end=f"e{i}",
+        )
+
+    data = [req(i, replica=i % 2) for i in range(7)]
+    parts = [
+        ([1, 3, 5], RequestBatch.from_requests([data[i] for i in (1, 3, 5)])),
+        ([0, 2, 4, 6], RequestBatch.from_requests([data[i] for i in (0, 2, 4, 6)])),
+    ]
+    merged = RequestBatch.merge(parts, 7).unpack()
+    expected = RequestBatch.from_requests(data).unpack()
+    for a, b in zip(expected, merged, strict=True):
+        np.testing.assert_array_equal(a.prompt_token_ids, b.prompt_token_ids)
+        assert (a.replica_id, a.weight_version_start, a.weight_version_end) == (
+            b.replica_id,
+            b.weight_version_start,
+            b.weight_version_end,
+        )
+        assert [s.token_ids.tolist() for s in a.samples] == [
+            s.token_ids.tolist() for s in b.samples
+        ]
+        assert [s.logprobs is None for s in a.samples] == [s.logprobs is None for s in b.samples]
+        if a.prompt_logprobs is not None:
+            np.testing.assert_array_equal(a.prompt_logprobs, b.prompt_logprobs)

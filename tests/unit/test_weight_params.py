@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.testing import make_tiny_model
-from torchrl_vllm_ext.weight_sync.broadcast import header_from_json, header_to_json, pack, unpack
+from torchrl_vllm_ext.weight_sync.packing import header_from_json, header_to_json, pack, unpack
 from torchrl_vllm_ext.weight_sync.params import checksum, expected_specs, named_tensors, validate
 
 

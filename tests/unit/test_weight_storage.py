@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.storage import CURRENT, SlotReader, SlotWriter, read_published
+from torchrl_vllm_ext.weight_sync.slots import CURRENT, SlotReader, SlotWriter, read_published
 
 
 def weights(value: float, n: int = 4) -> dict[str, torch.Tensor]:
@@ -68,7 +68,7 @@ def test_layout_change_is_rejected(tmp_path):
 
 WRITER = """
 import sys, torch
-from torchrl_vllm_ext.weight_sync.storage import SlotWriter
+from torchrl_vllm_ext.weight_sync.slots import SlotWriter
 w = SlotWriter(sys.argv[1])
 v = 0
 while True:

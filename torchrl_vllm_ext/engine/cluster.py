@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT, ENGINE_ENV_DEFAULTS
 from torchrl_vllm_ext.errors import InsufficientResourcesError
+from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -160,9 +161,6 @@ def release(pg: PlacementGroup | None) -> None:
         remove_placement_group(pg)
 
 
-WORKER_EXTENSION = "torchrl_vllm_ext.weight_sync.worker.WeightSyncWorkerExtension"
-
-
 def actor_options(res: ReplicaResources, name: str, pg: PlacementGroup) -> dict[str, Any]:
     """Ray options of a replica actor placed in bundle 0 of its group."""
     options: dict[str, Any] = {
@@ -182,7 +180,7 @@ def actor_options(res: ReplicaResources, name: str, pg: PlacementGroup) -> dict[
     return options
 
 
-def process_env(res: ReplicaResources) -> dict[str, str | None]:
+def process_env(res: ReplicaResources, config) -> dict[str, str | None]:
     """Environment of a replica's engine processes (None: unset), set by its actor.
 
     On CPU:
@@ -196,6 +194,8 @@ def process_env(res: ReplicaResources) -> dict[str, str | None]:
       process (vLLM's uni executor): no worker process polling beside it, one IPC hop
       less per step and per weight load (355 MB in the pause: 189 ms -> 129 ms). An
       in-process replica (:func:`in_process_engine`) builds its uni executor itself.
+    * ``config.cpu_packed_weights`` reaches the worker extension, which reads it before
+      the model loads (the worker extension keeps CPU weights in checkpoint layout unless it is set).
 
     On GPU, vLLM's defaults (Ray sets OMP_NUM_THREADS for its workers: unset it).
     """
@@ -206,27 +206,24 @@ def process_env(res: ReplicaResources) -> dict[str, str | None]:
         threads = max(1, math.floor(node_cpus) - 1)
     else:
         threads = max(1, math.floor(res.cpus))
-    env: dict[str, str | None] = {"OMP_NUM_THREADS": str(threads)}
+    env: dict[str, str | None] = {
+        "OMP_NUM_THREADS": str(threads),
+        PACKED_WEIGHTS_ENV: "1" if config.cpu_packed_weights else "0",
+    }
     if res.num_workers == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # AsyncLLM keeps its engine-core process
     return env
 
 
-ENGINE_PROCESS_ENV = "TORCHRL_VLLM_ENGINE_PROCESS"
-
-
-def in_process_engine(res: ReplicaResources) -> bool:
+def in_process_engine(res: ReplicaResources, config) -> bool:
     """Whether a replica runs vLLM's ``LLMEngine`` in its actor (engine/inproc.py).
 
     On CPU, a single-worker replica does: no engine-core process, no IPC per step
     (2 cores, tiny model: 0.68 of in-process ``vllm.LLM`` with ``AsyncLLM``). GPU and
     multi-worker replicas keep ``AsyncLLM``, whose engine core overlaps output
-    processing with the next step. ``TORCHRL_VLLM_ENGINE_PROCESS=1`` in the driver's
-    environment gives every replica ``AsyncLLM``.
+    processing with the next step; so does every replica with ``config.engine_process``.
     """
-    if os.environ.get(ENGINE_PROCESS_ENV, "") not in ("", "0"):
-        return False
-    return not res.use_gpu and res.num_workers == 1
+    return not config.engine_process and not res.use_gpu and res.num_workers == 1
 
 
 def engine_kwargs(res: ReplicaResources, config) -> dict[str, Any]:
@@ -241,7 +238,7 @@ def engine_kwargs(res: ReplicaResources, config) -> dict[str, Any]:
         kwargs["distributed_executor_backend"] = "ray" if res.use_gpu else "mp"
     if not res.use_gpu:
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES_DEFAULT
-    # The receiving end of the weight-sync transports (see weight_sync/worker.py).
-    kwargs["worker_extension_cls"] = WORKER_EXTENSION
+    if config.worker_extension_cls:
+        kwargs["worker_extension_cls"] = config.worker_extension_cls
     kwargs.update(config.engine_kwargs)
     return kwargs

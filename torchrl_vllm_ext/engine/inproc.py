@@ -1,4 +1,4 @@
-"""vLLM's ``LLMEngine`` inside the replica actor, stepped by one thread.
+"""vLLM's ``LLMEngine`` inside the replica actor, stepped by one thread (an :class:`Engine`).
 
 ``AsyncLLM`` always runs its engine core in a child process: every step's outputs are
 serialised, sent over ZMQ and processed again in the actor, while the model's OpenMP
@@ -9,9 +9,8 @@ in ``vllm.LLM``.
 
 The thread owns the engine: every operation (add, abort, pause, worker call) is a
 closure queued to it and run between two steps, so nothing needs a lock. Results go
-back to the actor's event loop as futures. The class offers the part of ``AsyncLLM``
-that :class:`~torchrl_vllm_ext.engine.replica.VLLMReplica` uses, with vLLM's pause
-modes (``abort`` / ``wait`` / ``keep``; vLLM's in-process engine core has no ``wait``).
+back to the actor's event loop as futures. vLLM's in-process engine core has no
+``wait`` pause, so the thread implements all three of vLLM's pause modes.
 """
 
 from __future__ import annotations
@@ -23,7 +22,18 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from torchrl_vllm_ext._compat import vllm_inproc_api
+from torchrl_vllm_ext._compat import (
+    EngineLimits,
+    PauseMode,
+    SchedulerLoad,
+    engine_dead_error,
+    engine_limits,
+    inproc_abort,
+    inproc_build,
+    inproc_load,
+    inproc_shutdown,
+)
+from torchrl_vllm_ext.engine.base import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +49,7 @@ class _Batch(NamedTuple):
     futures: list[asyncio.Future]
 
 
-class InprocEngine:
+class InprocEngine(Engine):
     """One ``LLMEngine`` (no engine-core process) driven by a dedicated thread.
 
     Build it with ``await InprocEngine.start(engine_args)`` from the event loop the
@@ -56,6 +66,7 @@ class InprocEngine:
         self._paused = False
         self._frozen = False  # pause("keep"): no steps at all
         self._error: BaseException | None = None
+        self._limits: EngineLimits | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @classmethod
@@ -65,30 +76,22 @@ class InprocEngine:
         # Built on its own thread: vLLM's thread-local torch state (grad mode, streams)
         # then belongs to the thread that steps it.
         await self._call(self._build, engine_args)
+        self._limits = engine_limits(self._engine.vllm_config, self._engine.tokenizer)
         return self
 
-    # ------------------------------------------------------------ AsyncLLM subset
+    # ------------------------------------------------------------ Engine
     @property
-    def vllm_config(self):
-        return self._engine.vllm_config
-
-    @property
-    def tokenizer(self):
-        return self._engine.tokenizer
+    def limits(self) -> EngineLimits:
+        return self._limits
 
     @property
     def errored(self) -> bool:
         return self._error is not None or not self._thread.is_alive()
 
-    async def generate_many(
+    async def generate(
         self, inputs: Sequence[dict], params: Sequence[Any], request_ids: Sequence[str]
     ) -> list:
-        """Add a batch of requests at once and return their final ``RequestOutput``s.
-
-        All are added before the next step, as ``vllm.LLM.generate`` does. A request vLLM
-        rejects raises here and none of the batch stays in the engine. Cancelling the
-        caller does not abort the requests: call :meth:`abort` with their ids.
-        """
+        """All requests are added before the next step, as ``vllm.LLM.generate`` does."""
         futures = [self._loop.create_future() for _ in request_ids]
         batch = _Batch(list(inputs), list(params), list(request_ids), futures)
         await self._call(self._add_batch, batch)
@@ -98,20 +101,19 @@ class InprocEngine:
         """Abort requests by id; their callers get a final output with reason ``abort``."""
         await self._call(self._abort, set(request_ids))
 
-    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
-        """Stop stepping new work: ``abort`` in-flight requests, ``wait`` for them, or ``keep``
-        them frozen. Requests submitted while paused are held until :meth:`resume_generation`."""
+    async def _pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        # Requests submitted while paused are held until resume().
         idle = self._loop.create_future() if mode == "wait" else None
-        await self._call(self._pause, mode, idle)
+        await self._call(self._pause_steps, mode, idle)
         if idle is not None:
             await idle
         if clear_cache:
             await self._call(self._clear_caches)
 
-    async def resume_generation(self) -> None:
+    async def resume(self) -> None:
         await self._call(self._resume)
 
-    async def update_weight_version(self, version: str) -> None:
+    async def set_weight_version(self, version: str) -> None:
         await self._call(lambda: self._engine.set_weight_version(version))
 
     async def get_weight_version(self) -> str:
@@ -129,18 +131,15 @@ class InprocEngine:
         """Raise if the engine died; otherwise return once the thread ran a no-op."""
         await self._call(lambda: None)
 
-    def load(self) -> tuple[int, int, float]:
-        """(running, waiting, KV-cache usage) from vLLM's scheduler.
-
-        Read from the actor's thread without queueing (a few int reads; the GIL makes
-        each consistent), so stats never wait for a step or a weight load.
-        """
+    def load(self) -> SchedulerLoad:
+        """Read from the actor's thread without queueing (a few int reads; the GIL makes
+        each consistent), so stats never wait for a step or a weight load. Held batches
+        count as waiting."""
         if self._engine is None:
-            return 0, 0, 0.0
-        scheduler = self._engine.engine_core.engine_core.scheduler
-        running, waiting = scheduler.get_request_counts()
+            return SchedulerLoad(0, 0, 0.0)
+        load = inproc_load(self._engine)
         held = sum(len(batch.request_ids) for batch in self._held)
-        return int(running), int(waiting) + held, float(scheduler.get_kv_cache_usage())
+        return load._replace(waiting=load.waiting + held)
 
     def shutdown(self) -> None:
         """Stop the thread and the engine; pending callers get ``EngineDeadError``."""
@@ -159,7 +158,7 @@ class InprocEngine:
 
     def _dead_error(self):
         cause = self._error if self._error is not None else "engine thread stopped"
-        return vllm_inproc_api().EngineDeadError(f"in-process vLLM engine is gone: {cause}")
+        return engine_dead_error(f"in-process vLLM engine is gone: {cause}")
 
     def _resolve(self, future: asyncio.Future, result=None, error: BaseException | None = None):
         """Complete ``future`` on the event loop (called from the engine thread)."""
@@ -259,21 +258,14 @@ class InprocEngine:
         self._idle_waiters.clear()
         if self._engine is not None:
             try:
-                self._engine.engine_core.shutdown()
+                inproc_shutdown(self._engine)
             except Exception:
                 logger.exception("in-process vLLM engine shutdown failed")
         if self._error is None:
             self._error = RuntimeError("shut down")
 
     def _build(self, engine_args) -> None:
-        vllm = vllm_inproc_api()
-        config = engine_args.create_engine_config(vllm.UsageContext.ENGINE_CONTEXT)
-        self._engine = vllm.LLMEngine(
-            vllm_config=config,
-            executor_class=vllm.Executor.get_class(config),
-            log_stats=False,  # load comes from the scheduler itself (see load())
-            multiprocess_mode=False,
-        )
+        self._engine = inproc_build(engine_args)
 
     def _add_batch(self, batch: _Batch) -> None:
         if self._paused:
@@ -293,45 +285,23 @@ class InprocEngine:
             raise
 
     def _abort(self, external_ids: set[str] | None) -> None:
-        """Abort in-flight requests (all if ``external_ids`` is None) with final outputs.
-
-        vLLM's ``LLMEngine.abort_request`` drops a request without an output; a caller
-        waiting on it must get one, so the abort goes through the output processor as
-        an engine-core output with finish reason ``abort`` (what ``AsyncLLM`` receives
-        from its engine core), then the scheduler frees the requests.
-        """
-        vllm = vllm_inproc_api()
-        processor = self._engine.output_processor
-        internal = [
-            rid
-            for rid, state in processor.request_states.items()
-            if external_ids is None or state.external_req_id in external_ids
-        ]
-        if internal:
-            aborted = processor.process_outputs(
-                [
-                    vllm.EngineCoreOutput(rid, [], finish_reason=vllm.FinishReason.ABORT)
-                    for rid in internal
-                ]
-            )
-            self._engine.engine_core.abort_requests(internal)
-            self._deliver(aborted.request_outputs)
+        """Abort in-flight requests (all if ``external_ids`` is None); their callers get
+        final outputs with finish reason ``abort`` and their partial tokens."""
+        self._deliver(inproc_abort(self._engine, external_ids))
         if external_ids:  # held batches the caller gave up on never start
             dropped = [b for b in self._held if external_ids.intersection(b.request_ids)]
             self._held = [b for b in self._held if not external_ids.intersection(b.request_ids)]
             for future in (f for batch in dropped for f in batch.futures):
                 self._post(future.cancel)
 
-    def _pause(self, mode: str, idle: asyncio.Future | None) -> None:
+    def _pause_steps(self, mode: PauseMode, idle: asyncio.Future | None) -> None:
         self._paused = True
         if mode == "abort":
             self._abort(None)
         elif mode == "keep":
             self._frozen = True
-        elif mode == "wait":
+        else:  # "wait" (the mode was checked by Engine.pause)
             self._idle_waiters.append(idle)
-        else:
-            raise ValueError(f"pause mode {mode!r} is not one of ('abort', 'wait', 'keep')")
 
     def _clear_caches(self) -> None:
         # As vLLM's pause(clear_cache=True): running requests lose their cached blocks

@@ -1,11 +1,80 @@
-"""Rebuild vLLM ``RequestOutput`` objects on the driver from the replicas' plain data."""
+"""vLLM outputs <-> the package's plain data, both directions in one place.
+
+- Replica side: :func:`pack_outputs` turns a batch's final vLLM ``RequestOutput``s into
+  one :class:`~torchrl_vllm_ext.messages.RequestBatch` of flat arrays.
+- Driver side: :func:`to_request_output` rebuilds a vLLM ``RequestOutput`` from a
+  :class:`~torchrl_vllm_ext.messages.RequestData`, for callers of ``service.generate``.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from torchrl_vllm_ext._compat import vllm_output_types
-from torchrl_vllm_ext.messages import RequestData
+from torchrl_vllm_ext.messages import RequestBatch, RequestData
+
+
+def _chosen_logprobs(flat, length: int) -> np.ndarray:
+    """Log-prob of the chosen token at each position of a vLLM ``FlatLogprobs``.
+
+    vLLM puts the chosen (sampled or prompt) token first among a position's entries;
+    positions without entries (the first prompt token) get NaN.
+    """
+    out = np.full(length, np.nan, dtype=np.float32)
+    if length == 0 or flat is None or not flat.logprobs:
+        return out
+    starts = np.asarray(flat.start_indices, dtype=np.int64)
+    ends = np.asarray(flat.end_indices, dtype=np.int64)
+    values = np.asarray(flat.logprobs, dtype=np.float32)
+    has = ends > starts
+    out[: len(starts)][has] = values[starts[has]]
+    return out
+
+
+def _cat(arrays: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
+
+
+def pack_outputs(outputs: list, replica_id: int, start: str, end: str) -> RequestBatch:
+    """Finished vLLM ``RequestOutput``s of one replica call -> one :class:`RequestBatch`.
+
+    ``start`` / ``end``: the replica's weight version when the batch was admitted and
+    when it finished.
+    """
+    prompts, prompt_lps, has_prompt_lp, per_request = [], [], [], []
+    ids, lps, has_lp, finish, stop, texts = [], [], [], [], [], []
+    for out in outputs:
+        prompt = np.asarray(out.prompt_token_ids, dtype=np.int64)
+        prompts.append(prompt)
+        has_prompt_lp.append(out.prompt_logprobs is not None)
+        prompt_lps.append(_chosen_logprobs(out.prompt_logprobs, len(prompt)))
+        per_request.append(len(out.outputs))
+        for comp in out.outputs:
+            tokens = np.asarray(comp.token_ids, dtype=np.int64)
+            ids.append(tokens)
+            has_lp.append(comp.logprobs is not None)
+            lps.append(_chosen_logprobs(comp.logprobs, len(tokens)))
+            finish.append(comp.finish_reason)
+            stop.append(comp.stop_reason)
+            texts.append(comp.text or "")
+    r = len(outputs)
+    return RequestBatch(
+        prompt_token_ids=_cat(prompts, np.int64),
+        prompt_lengths=np.array([len(p) for p in prompts], dtype=np.int64),
+        prompt_logprobs=_cat(prompt_lps, np.float32),
+        has_prompt_logprobs=np.array(has_prompt_lp, dtype=bool),
+        samples_per_request=np.array(per_request, dtype=np.int64),
+        token_ids=_cat(ids, np.int64),
+        sample_lengths=np.array([len(t) for t in ids], dtype=np.int64),
+        logprobs=_cat(lps, np.float32),
+        has_logprobs=np.array(has_lp, dtype=bool),
+        finish_reasons=finish,
+        stop_reasons=stop,
+        texts=texts,
+        replica_ids=np.full(r, replica_id, dtype=np.int64),
+        versions_start=[start] * r,
+        versions_end=[end] * r,
+    )
 
 
 def _flat(token_ids: np.ndarray, logprobs: np.ndarray, skip_first: bool = False):
@@ -13,11 +82,10 @@ def _flat(token_ids: np.ndarray, logprobs: np.ndarray, skip_first: bool = False)
 
     With ``skip_first`` (prompt log-probs) position 0 has no entry, as in vLLM.
     """
-    _, _, FlatLogprobs, _ = vllm_output_types()
     first = 1 if skip_first and len(token_ids) else 0
     n = len(token_ids) - first
     bounds = list(range(n + 1))
-    return FlatLogprobs(
+    return vllm_output_types().FlatLogprobs(
         start_indices=[0] * first + bounds[:-1],
         end_indices=[0] * first + bounds[1:],
         token_ids=token_ids[first:].tolist(),
@@ -29,26 +97,25 @@ def _flat(token_ids: np.ndarray, logprobs: np.ndarray, skip_first: bool = False)
 
 def to_request_output(data: RequestData, request_id: str):
     """A finished vLLM ``RequestOutput`` carrying the same tokens and log-probs."""
-    RequestOutput, CompletionOutput, _, _ = vllm_output_types()
-    completions = []
-    for index, s in enumerate(data.samples):
-        completions.append(
-            CompletionOutput(
-                index=index,
-                text=s.text,
-                token_ids=s.token_ids.tolist(),
-                cumulative_logprob=float(s.logprobs.sum()) if s.logprobs is not None else None,
-                logprobs=_flat(s.token_ids, s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
+    vllm = vllm_output_types()
+    completions = [
+        vllm.CompletionOutput(
+            index=index,
+            text=s.text,
+            token_ids=s.token_ids.tolist(),
+            cumulative_logprob=float(s.logprobs.sum()) if s.logprobs is not None else None,
+            logprobs=_flat(s.token_ids, s.logprobs) if s.logprobs is not None else None,
+            finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason,
         )
+        for index, s in enumerate(data.samples)
+    ]
     prompt_lp = (
         _flat(data.prompt_token_ids, data.prompt_logprobs, skip_first=True)
         if data.prompt_logprobs is not None
         else None
     )
-    return RequestOutput(
+    return vllm.RequestOutput(
         request_id=request_id,
         prompt=None,
         prompt_token_ids=data.prompt_token_ids.tolist(),

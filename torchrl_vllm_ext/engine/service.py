@@ -10,18 +10,20 @@ import asyncio
 import itertools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import ray
 from tqdm.auto import tqdm
 
+from torchrl_vllm_ext._compat import PAUSE_MODES
 from torchrl_vllm_ext.engine import cluster
+from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.loop import LoopThread
 from torchrl_vllm_ext.engine.outputs import to_request_output
-from torchrl_vllm_ext.engine.replica import PAUSE_MODES, VLLMReplica
+from torchrl_vllm_ext.engine.replica import VLLMReplica
 from torchrl_vllm_ext.engine.routing import (
     ReplicaLoad,
     RouterState,
@@ -42,48 +44,30 @@ from torchrl_vllm_ext.errors import (
     ReplicaDeadError,
     ServiceClosedError,
 )
-from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestData
+from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestBatch, RequestData
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ROUTING = ("prefix", "least_outstanding")
 _DEATH_ERRORS = (
     ray.exceptions.RayActorError,
     ray.exceptions.ActorUnavailableError,
     ReplicaDeadError,
 )
+T = TypeVar("T")
 
-RestartHook = Callable[["VLLMService", int], Awaitable[None]]
 
+class WeightsProvider(Protocol):
+    """What brings a restarted replica to the live weights (a weight-sync scheme).
 
-@dataclass
-class ServiceConfig:
-    """How the service launches and runs its replicas."""
+    The service holds at most one (:meth:`VLLMService.set_weights_provider`) and awaits
+    ``bring_up`` on its own event loop before a restarted replica takes traffic.
+    """
 
-    model: str
-    """Local path of a Hugging Face causal LM."""
-    num_replicas: int = 1
-    """Engine replicas to start."""
-    tensor_parallel_size: int = 1
-    """Tensor-parallel workers per replica."""
-    pipeline_parallel_size: int = 1
-    """Pipeline-parallel stages per replica."""
-    ray_address: str | None = None
-    """Address of a Ray cluster to join; None starts (or reuses) a local one."""
-    routing: tuple[str, ...] = DEFAULT_ROUTING
-    """Routing strategies, tried in order (see :mod:`torchrl_vllm_ext.engine.routing`)."""
-    cpus_per_replica: float | None = None
-    """CPUs reserved per replica without GPUs (fractions allowed); default 1."""
-    startup_timeout: float = 900.0
-    """Seconds a replica may take to start its engine."""
-    health_check_interval: float = 10.0
-    """Seconds between background health checks (0 disables them)."""
-    max_retries: int = 3
-    """Times a batch part is re-sent after its replica died."""
-    weight_version: str = "0"
-    """Weight version label the replicas start with."""
-    engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra ``vllm.AsyncEngineArgs`` keyword arguments."""
+    version: str | None
+    """The version the provider last pushed (None: nothing pushed yet)."""
+
+    async def bring_up(self, handle, replica_id: int) -> None:
+        """Load ``version`` into the replica behind the Ray actor ``handle`` and label it."""
 
 
 @dataclass
@@ -122,8 +106,7 @@ class VLLMService:
         self._router_state = RouterState()
         self._routing = validate_strategies(config.routing)
         self._weight_version = str(config.weight_version)
-        self.weight_source: object = None  # the scheme whose push is live, if any
-        self._restart_hooks: list[RestartHook] = []
+        self._provider: WeightsProvider | None = None
         self._tasks: set[asyncio.Task] = set()
         self._owns_ray = False
         self._closed = False
@@ -138,98 +121,38 @@ class VLLMService:
         num_replicas: int = 1,
         tensor_parallel_size: int = 1,
         ray_address: str | None = None,
-        *,
-        pipeline_parallel_size: int = 1,
-        routing: str | Sequence[str] = DEFAULT_ROUTING,
-        cpus_per_replica: float | None = None,
-        startup_timeout: float = 900.0,
-        health_check_interval: float = 10.0,
-        max_retries: int = 3,
-        weight_version: str | int = "0",
-        **engine_kwargs: Any,
+        **kwargs: Any,
     ) -> VLLMService:
         """Start ``num_replicas`` engines on ``model_path`` and return the running service.
 
-        ``engine_kwargs`` go to ``vllm.AsyncEngineArgs`` (``max_model_len``, ``dtype``,
-        ``enforce_eager``, ``seed``, ...). If any replica fails to start, everything
-        already started is released before the error propagates.
+        Keywords that are :class:`~torchrl_vllm_ext.engine.config.ServiceConfig` fields
+        (``routing``, ``cpus_per_replica``, ``startup_timeout``, ``weight_version``, ...)
+        configure the service; every other one goes to ``vllm.AsyncEngineArgs``
+        (``max_model_len``, ``dtype``, ``enforce_eager``, ``seed``, ...). If any replica
+        fails to start, everything already started is released before the error
+        propagates.
         """
-        svc = cls._from_args(
+        config = ServiceConfig.from_kwargs(
             model_path,
-            num_replicas,
-            tensor_parallel_size,
-            ray_address,
-            pipeline_parallel_size,
-            routing,
-            cpus_per_replica,
-            startup_timeout,
-            health_check_interval,
-            max_retries,
-            weight_version,
-            engine_kwargs,
+            num_replicas=num_replicas,
+            tensor_parallel_size=tensor_parallel_size,
+            ray_address=ray_address,
+            **kwargs,
         )
+        return cls.from_config(config)
+
+    @classmethod
+    def from_config(cls, config: ServiceConfig) -> VLLMService:
+        """Start the replicas ``config`` describes and return the running service."""
+        svc = cls(config)
         try:
             # Ray is joined from the caller's thread: it installs signal handlers there.
-            svc._owns_ray = cluster.ensure_ray(svc.config.ray_address)
+            svc._owns_ray = cluster.ensure_ray(config.ray_address)
             svc._loop.run(svc._launch())
         except BaseException:
             svc.shutdown()
             raise
         return svc
-
-    @classmethod
-    def _from_args(
-        cls,
-        model,
-        n,
-        tp,
-        address,
-        pp,
-        routing,
-        cpus,
-        startup_timeout,
-        health,
-        retries,
-        version,
-        engine_kwargs,
-    ) -> VLLMService:
-        for name, value in (
-            ("num_replicas", n),
-            ("tensor_parallel_size", tp),
-            ("pipeline_parallel_size", pp),
-        ):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigurationError(
-                    f"{name}={value!r} is invalid; it must be an integer >= 1."
-                )
-        if cpus is not None and not cpus > 0:
-            raise ConfigurationError(f"cpus_per_replica={cpus!r} must be > 0 (fractions are fine).")
-        if not Path(model).is_dir():
-            raise ConfigurationError(
-                f"model_path={str(model)!r} is not a local directory; pass the folder of a Hugging "
-                "Face model (config.json + weights), e.g. one from testing.make_tiny_model()."
-            )
-        if not (Path(model) / "config.json").is_file():
-            # Caught here: vLLM would fail inside each replica, after Ray placed it.
-            raise ConfigurationError(
-                f"model_path={str(model)!r} has no config.json; pass the folder of a Hugging Face "
-                "model (config.json + weights), not its parent or a cache directory."
-            )
-        config = ServiceConfig(
-            model=str(model),
-            num_replicas=n,
-            tensor_parallel_size=tp,
-            pipeline_parallel_size=pp,
-            ray_address=address,
-            routing=validate_strategies(routing),
-            cpus_per_replica=cpus,
-            startup_timeout=startup_timeout,
-            health_check_interval=health,
-            max_retries=retries,
-            weight_version=str(version),
-            engine_kwargs=dict(engine_kwargs),
-        )
-        return cls(config)
 
     async def _launch(self) -> None:
         cfg = self.config
@@ -258,7 +181,8 @@ class VLLMService:
 
     async def _start_replica(self, rid: int, restart: bool = False) -> None:
         name = f"{self.name}-r{rid}-{uuid.uuid4().hex[:4]}"
-        pg = await cluster.reserve(self._res, name, timeout=60.0)
+        cfg = self.config
+        pg = await cluster.reserve(self._res, name, timeout=cfg.placement_timeout)
         rep = _Replica(replica_id=rid, pg=pg)
         rep.idle.set()
         self._replicas[rid] = rep  # registered first, so shutdown() finds it whatever happens
@@ -267,30 +191,38 @@ class VLLMService:
             .options(**cluster.actor_options(self._res, name, pg))
             .remote(
                 rid,
-                self.config.model,
-                cluster.engine_kwargs(self._res, self.config),
+                cfg.model,
+                cluster.engine_kwargs(self._res, cfg),
                 self._weight_version,
-                cluster.process_env(self._res),
-                cluster.in_process_engine(self._res),
+                cluster.process_env(self._res, cfg),
+                cluster.in_process_engine(self._res, cfg),
+                cfg.actor_extension_cls,
             )
         )
-        rep.info = await asyncio.wait_for(rep.actor.start.remote(), self.config.startup_timeout)
+        rep.info = await asyncio.wait_for(rep.actor.start.remote(), cfg.startup_timeout)
         if self._limits is None:
             self._limits = rep.info
         if restart:
-            # Bring the new engine to the service's current weights before it takes traffic.
-            await rep.actor.set_weight_version.remote(self._weight_version)
-            for hook in self._restart_hooks:
-                await hook(self, rid)
+            # Bring the new engine to the live weights before it takes traffic.
+            provider = self._provider
+            if provider is not None and provider.version is not None:
+                await provider.bring_up(rep.actor, rid)
+            else:
+                await rep.actor.set_weight_version.remote(self._weight_version)
         rep.state = "ready"
 
-    def add_restart_hook(self, hook: RestartHook) -> None:
-        """Register ``async hook(service, replica_id)``, run on a restarted replica before it serves."""
-        self._restart_hooks.append(hook)
+    def set_weights_provider(self, provider: WeightsProvider | None) -> None:
+        """Make ``provider`` bring restarted replicas to the live weights (None: nobody).
 
-    def remove_restart_hook(self, hook: RestartHook) -> None:
-        if hook in self._restart_hooks:
-            self._restart_hooks.remove(hook)
+        A weight-sync scheme sets itself after each push it completes.
+        """
+        self._provider = provider
+        if provider is not None and provider.version is not None:
+            self._weight_version = str(provider.version)
+
+    @property
+    def weights_provider(self) -> WeightsProvider | None:
+        return self._provider
 
     def shutdown(self) -> None:
         """Stop every replica and release its actor and placement group. Idempotent."""
@@ -314,7 +246,7 @@ class VLLMService:
         if rep.actor is not None and graceful:
             # A graceful engine shutdown also ends vLLM's child processes.
             try:
-                await asyncio.wait_for(rep.actor.shutdown.remote(), 60)
+                await asyncio.wait_for(rep.actor.shutdown.remote(), self.config.shutdown_timeout)
             except (TimeoutError, *_DEATH_ERRORS) as e:
                 logger.info(
                     "replica %d did not shut down gracefully (%s); killing it", rep.replica_id, e
@@ -356,7 +288,7 @@ class VLLMService:
                 :class:`~torchrl_vllm_ext.errors.GenerationTimeoutError` is raised.
             routing: override the service's routing strategies for this batch.
         """
-        return self._run(
+        return self.run(
             self.agenerate(prompt_token_ids, sampling_params, timeout=timeout, routing=routing)
         )
 
@@ -372,26 +304,34 @@ class VLLMService:
     def generate_batch(
         self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
     ) -> list[RequestData]:
-        """Like :meth:`generate` but returns plain :class:`RequestData` (numpy arrays; fastest)."""
-        return self._run(
-            self.agenerate_batch(
-                prompt_token_ids, sampling_params, timeout=timeout, routing=routing
-            )
-        )
+        """Like :meth:`generate` but returns plain :class:`RequestData` (numpy arrays)."""
+        return self.generate_flat(
+            prompt_token_ids, sampling_params, timeout=timeout, routing=routing
+        ).unpack()
 
     async def agenerate_batch(
         self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
     ) -> list[RequestData]:
         """Async :meth:`generate_batch`."""
-        coro = self._generate(prompt_token_ids, sampling_params, timeout, routing)
-        if self._closed:
-            coro.close()
-        self._check_open()
-        return await self._loop.arun(coro)
+        flat = await self.agenerate_flat(
+            prompt_token_ids, sampling_params, timeout=timeout, routing=routing
+        )
+        return flat.unpack()
 
-    async def _generate(
-        self, prompt_token_ids, sampling_params, timeout, routing
-    ) -> list[RequestData]:
+    def generate_flat(
+        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
+    ) -> RequestBatch:
+        """Like :meth:`generate` but returns one :class:`RequestBatch` of flat arrays, in
+        input order: the fastest form, which ``VLLMPolicy`` converts to a TensorDict."""
+        return self.run(self._generate(prompt_token_ids, sampling_params, timeout, routing))
+
+    async def agenerate_flat(
+        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
+    ) -> RequestBatch:
+        """Async :meth:`generate_flat`."""
+        return await self.arun(self._generate(prompt_token_ids, sampling_params, timeout, routing))
+
+    async def _generate(self, prompt_token_ids, sampling_params, timeout, routing) -> RequestBatch:
         prompts = normalize_prompts(prompt_token_ids)
         per_prompt = isinstance(sampling_params, list | tuple)
         if per_prompt:
@@ -410,7 +350,7 @@ class VLLMService:
         expected = expected_kv_tokens(prompts, params, limits.max_model_len)
         batch = next(self._batches)
 
-        results: list[RequestData | None] = [None] * len(prompts)
+        parts: list[tuple[list[int], RequestBatch]] = []
         pending = list(range(len(prompts)))
         for attempt in range(self.config.max_retries + 1):
             live = await self._wait_for_ready()
@@ -449,12 +389,11 @@ class VLLMService:
                     elif error is None:
                         error = outcome
                 else:
-                    for idx, data in zip(idxs, outcome, strict=True):
-                        results[idx] = data
+                    parts.append((idxs, outcome))
             if error is not None:
                 raise error
             if not failed:
-                return results
+                return RequestBatch.merge(parts, len(prompts))
             pending = sorted(failed)
             logger.warning(
                 "batch %d: %d prompts lost a replica; retrying on the others", batch, len(pending)
@@ -471,10 +410,9 @@ class VLLMService:
             sp = [params[i] for i in idxs] if per_prompt else params[0]
             ids = [f"{prefix}-{i}" for i in idxs]
             # Lists, not arrays: Ray gives every array its own out-of-band buffer.
-            batch = await rep.actor.generate.remote(
+            return await rep.actor.generate.remote(
                 [prompts[i].tolist() for i in idxs], sp, ids, timeout
             )
-            return batch.unpack()
         finally:
             rep.inflight -= len(idxs)
             if rep.inflight == 0:
@@ -516,7 +454,7 @@ class VLLMService:
                     f"(states: { {r.replica_id: r.state for r in self._replicas.values()} }); "
                     "add replicas with add_replicas() or check the replicas' logs."
                 )
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(self.config.ready_poll_interval)
 
     # ------------------------------------------------------------------ faults
     def _on_replica_death(self, rid: int, error: BaseException) -> None:
@@ -531,7 +469,8 @@ class VLLMService:
 
     async def _restart(self, rep: _Replica) -> None:
         await self._stop(rep, graceful=False)
-        for attempt in range(3):
+        attempts = self.config.restart_attempts
+        for attempt in range(attempts):
             try:
                 await self._start_replica(rep.replica_id, restart=True)
                 logger.info("replica %d restarted", rep.replica_id)
@@ -543,8 +482,10 @@ class VLLMService:
                 failed = self._replicas.get(rep.replica_id)
                 if failed is not None:
                     await self._stop(failed, graceful=False)
-                await asyncio.sleep(2.0 * (attempt + 1))
-        logger.error("replica %d is gone for good after 3 failed restarts", rep.replica_id)
+                await asyncio.sleep(self.config.restart_backoff * (attempt + 1))
+        logger.error(
+            "replica %d is gone for good after %d failed restarts", rep.replica_id, attempts
+        )
 
     async def _health_loop(self) -> None:
         while True:
@@ -554,7 +495,10 @@ class VLLMService:
     async def _check_health(self) -> dict[int, bool]:
         ready = [r for r in self._replicas.values() if r.state == "ready"]
         checks = await asyncio.gather(
-            *(asyncio.wait_for(r.actor.check_health.remote(), 30) for r in ready),
+            *(
+                asyncio.wait_for(r.actor.check_health.remote(), self.config.health_check_timeout)
+                for r in ready
+            ),
             return_exceptions=True,
         )
         report = {}
@@ -568,7 +512,7 @@ class VLLMService:
 
     def check_health(self) -> dict[int, bool]:
         """Ping every ready replica now; dead ones are restarted. Returns {replica_id: healthy}."""
-        return self._run(self._check_health())
+        return self.run(self._check_health())
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -580,11 +524,11 @@ class VLLMService:
         """Start ``k`` more replicas while serving; returns their ids."""
         if not isinstance(k, int) or k < 1:
             raise ConfigurationError(f"add_replicas(k={k!r}): k must be an integer >= 1.")
-        return self._run(self._start_many(k, f"adding {k} vLLM replica(s)"))
+        return self.run(self._start_many(k, f"adding {k} vLLM replica(s)"))
 
     def remove_replicas(self, k: int, drain_timeout: float = 600.0) -> list[int]:
         """Remove ``k`` replicas while serving: they take no new work, finish what they have, stop."""
-        return self._run(self._remove(k, drain_timeout))
+        return self.run(self._remove(k, drain_timeout))
 
     async def _remove(self, k: int, drain_timeout: float) -> list[int]:
         ready = [r for r in self._replicas.values() if r.state == "ready"]
@@ -635,35 +579,36 @@ class VLLMService:
     @property
     def weight_version(self) -> str:
         """The version restarted replicas are brought to."""
+        provider = self._provider
+        if provider is not None and provider.version is not None:
+            return str(provider.version)
         return self._weight_version
 
     def stats(self) -> list[ReplicaStats]:
         """Each ready replica's load, read from vLLM."""
-        return self._run(self._broadcast("stats"))
+        return self.run(self._broadcast("stats"))
 
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause generation on every replica (vLLM modes: ``abort``, ``wait``, ``keep``)."""
         if mode not in PAUSE_MODES:
             raise ConfigurationError(f"pause mode {mode!r} is not one of {PAUSE_MODES}.")
-        self._run(self._broadcast("pause", mode, clear_cache))
+        self.run(self._broadcast("pause", mode, clear_cache))
 
     def resume(self) -> None:
-        self._run(self._broadcast("resume"))
+        self.run(self._broadcast("resume"))
 
     def set_weight_version(self, version: str | int) -> None:
-        """Label every replica's weights with ``version`` (restarted replicas get it too)."""
-        self._weight_version = str(version)
-        self.weight_source = None
-        self._run(self._broadcast("set_weight_version", str(version)))
+        """Label every replica's weights with ``version`` (restarted replicas get the label).
 
-    def record_weight_version(self, version: str | int, source: object = None) -> None:
-        """Note the version the replicas now serve and who pushed it (weight-sync schemes
-        call this after a push; ``weight_source`` tells restart hooks whose weights are live)."""
+        The label replaces the weights provider's: a restarted replica then serves the
+        checkpoint's weights under this label until the next push.
+        """
         self._weight_version = str(version)
-        self.weight_source = source
+        self._provider = None
+        self.run(self._broadcast("set_weight_version", str(version)))
 
     def weight_versions(self) -> dict[int, str]:
-        versions = self._run(self._broadcast("get_weight_version"))
+        versions = self.run(self._broadcast("get_weight_version"))
         return dict(zip(self.replica_ids, versions, strict=True))
 
     async def _broadcast(self, method: str, *args):
@@ -672,11 +617,30 @@ class VLLMService:
         )
         return list(await asyncio.gather(*(getattr(r.actor, method).remote(*args) for r in ready)))
 
-    def _run(self, coro):
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the service's event loop, where replicas are managed, and block.
+
+        Weight-sync schemes run their pushes here, so a push and a replica restart share
+        one event loop and one lock.
+        """
         if self._closed:
             coro.close()
         self._check_open()
         return self._loop.run(coro)
+
+    async def arun(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Await ``coro`` on the service's event loop (from any event loop)."""
+        if self._closed:
+            coro.close()
+        self._check_open()
+        return await self._loop.arun(coro)
+
+    def submit(self, coro: Coroutine[Any, Any, T]):
+        """Schedule ``coro`` on the service's event loop; a ``concurrent.futures.Future``."""
+        if self._closed:
+            coro.close()
+        self._check_open()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -10,7 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from torchrl_vllm_ext._compat import vllm_engine_api, vllm_validation_errors
+from torchrl_vllm_ext._compat import (
+    sampling_param_fields,
+    vllm_engine_api,
+    vllm_validation_errors,
+)
 from torchrl_vllm_ext.errors import InvalidRequestError
 
 
@@ -80,7 +84,8 @@ def make_sampling_params(params: Any, *, want_logprobs: bool = True):
     Sampled-token log-probs are always returned (``logprobs=0``) in vLLM's flat layout,
     and only the final output of each request is streamed back.
     """
-    _, _, SamplingParams, RequestOutputKind, _ = vllm_engine_api()
+    vllm = vllm_engine_api()
+    SamplingParams = vllm.SamplingParams
     if params is None:
         params = {}
     if isinstance(params, Mapping):
@@ -108,7 +113,7 @@ def make_sampling_params(params: Any, *, want_logprobs: bool = True):
     if want_logprobs and sp.logprobs is None:
         sp.logprobs = 0
     sp.flat_logprobs = True
-    sp.output_kind = RequestOutputKind.FINAL_ONLY
+    sp.output_kind = vllm.RequestOutputKind.FINAL_ONLY
     return sp
 
 
@@ -116,8 +121,7 @@ def _sampling_fix(params: Mapping[str, Any]) -> str:
     """How to fix a rejected sampling dict: the likely intended field, else the valid range."""
     import difflib
 
-    _, _, SamplingParams, _, _ = vllm_engine_api()
-    fields = sorted(f for f in SamplingParams.__struct_fields__ if not f.startswith("_"))
+    fields = sampling_param_fields()
     for key in params:
         if key not in fields:
             close = difflib.get_close_matches(key, fields, n=1)

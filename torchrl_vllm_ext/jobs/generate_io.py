@@ -25,7 +25,7 @@ a token and the pad id must not occur), or ragged rows (a memmapped lazy stack).
 
 >>> from torchrl_vllm_ext.jobs.generate_io import parse_jsonl_line
 >>> parse_jsonl_line('{"prompt": "hi", "id": 7}', 1)
-('prompt', 'hi', '7')
+('prompt', 'hi', '7', set())
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ from typing import Any
 import numpy as np
 
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
+from torchrl_vllm_ext.wrappers.inputs import read_tokens, tokenize
+from torchrl_vllm_ext.wrappers.padding import lengths_of
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +75,9 @@ class Prompts:
     @cached_property
     def lengths(self) -> np.ndarray:
         """Prompt length of each row (computed once: every chunk slices it)."""
-        return np.fromiter((len(t) for t in self.token_ids), dtype=np.int64, count=len(self))
+        return lengths_of(self.token_ids)
 
 
-# ---------------------------------------------------------------------------- entry point
 def read_prompts(path: str | Path, tokenizer, pad_token_id: int | None = None) -> Prompts:
     """Read ``path`` (a JSONL file or a memmapped TensorDict directory) into :class:`Prompts`."""
     p = Path(path).expanduser()
@@ -97,12 +98,10 @@ def read_prompts(path: str | Path, tokenizer, pad_token_id: int | None = None) -
 
 
 # ---------------------------------------------------------------------------- JSONL
-def parse_jsonl_line(line: str, lineno: int, source: str = "input") -> tuple[str, Any, str | None]:
-    """One JSONL line -> ``(kind, value, id)``; a typed error names the line and the fix."""
-    return _parse_line(line, lineno, source)[:3]
-
-
-def _parse_line(line: str, lineno: int, source: str) -> tuple[str, Any, str | None, set[str]]:
+def parse_jsonl_line(
+    line: str, lineno: int, source: str = "input"
+) -> tuple[str, Any, str | None, set[str]]:
+    """One JSONL line -> ``(kind, value, id, ignored keys)``; errors name the line and the fix."""
     where = f"{source} line {lineno}"
     try:
         obj = json.loads(line)
@@ -125,7 +124,8 @@ def _parse_line(line: str, lineno: int, source: str) -> tuple[str, Any, str | No
         )
     kind = present[0]
     value = obj[kind]
-    _check_value(kind, value, where)
+    if not _value_ok(kind, value):
+        raise InvalidRequestError(f"{where}: {_VALUE_HELP[kind]}, got {value!r:.80}.")
     row_id = obj.get("id")
     if row_id is not None and (not isinstance(row_id, str | int) or isinstance(row_id, bool)):
         raise InvalidRequestError(
@@ -134,37 +134,26 @@ def _parse_line(line: str, lineno: int, source: str) -> tuple[str, Any, str | No
     return kind, value, None if row_id is None else str(row_id), set(obj) - {kind, "id"}
 
 
-def _check_value(kind: str, value: Any, where: str) -> None:
+def _value_ok(kind: str, value: Any) -> bool:
     if kind == "prompt":
-        if not isinstance(value, str) or not value:
-            raise InvalidRequestError(
-                f'{where}: "prompt" must be a non-empty string, got {value!r:.60}.'
-            )
-    elif kind == "messages":
-        ok = (
-            isinstance(value, list)
-            and value
-            and all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
-                for m in value
-            )
-        )
-        if not ok:
-            raise InvalidRequestError(
-                f'{where}: "messages" must be a non-empty list of {{"role": str, "content": str}} '
-                f"objects, got {value!r:.80}."
-            )
-    elif not (
-        isinstance(value, list)
-        and value
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-    ):
-        raise InvalidRequestError(
-            f'{where}: "prompt_token_ids" must be a non-empty list of non-negative ints, got '
-            f"{value!r:.80}."
-        )
+        return isinstance(value, str) and bool(value)
+    item = _is_message if kind == "messages" else _is_token_id
+    return isinstance(value, list) and bool(value) and all(map(item, value))
+
+
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+_VALUE_HELP = {
+    "prompt": '"prompt" must be a non-empty string',
+    "messages": '"messages" must be a non-empty list of {"role": str, "content": str} objects',
+    "prompt_token_ids": '"prompt_token_ids" must be a non-empty list of non-negative ints',
+}
 
 
 def read_jsonl(raw: bytes, tokenizer, source: str = "input") -> Prompts:
@@ -182,7 +171,7 @@ def read_jsonl(raw: bytes, tokenizer, source: str = "input") -> Prompts:
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        kind, value, row_id, unknown = _parse_line(line, lineno, source)
+        kind, value, row_id, unknown = parse_jsonl_line(line, lineno, source)
         kinds.setdefault(kind, lineno)
         if len(kinds) > 1:
             first = ", ".join(f"{k!r} (first at line {n})" for k, n in kinds.items())
@@ -210,11 +199,11 @@ def read_jsonl(raw: bytes, tokenizer, source: str = "input") -> Prompts:
         token_ids = [np.asarray(v, dtype=np.int64) for v in values]
     else:
         texts = values if kind == "prompt" else render_chats(values, tokenizer, linenos, source)
-        token_ids = tokenize(texts, tokenizer, add_special_tokens=kind == "prompt")
-        for i, t in enumerate(token_ids):
+        token_ids = tokenize(tokenizer, texts, add_special_tokens=kind == "prompt")
+        for t, lineno in zip(token_ids, linenos, strict=True):
             if t.size == 0:
                 raise InvalidRequestError(
-                    f"{source} line {linenos[i]} tokenises to no tokens; give a non-empty prompt."
+                    f"{source} line {lineno} tokenises to no tokens; give a non-empty prompt."
                 )
     return Prompts(kind, token_ids, texts, row_ids, hashlib.sha256(raw).hexdigest())
 
@@ -224,10 +213,9 @@ def _check_ids(ids: list[str | None], linenos: list[int], source: str) -> list[s
     if not any(given):
         return None
     if not all(given):
-        missing = linenos[given.index(False)]
         raise InvalidRequestError(
-            f'{source} line {missing} has no "id" while other lines have one; give every line '
-            "an id or none."
+            f'{source} line {linenos[given.index(False)]} has no "id" while other lines have '
+            "one; give every line an id or none."
         )
     seen: dict[str, int] = {}
     for row_id, lineno in zip(ids, linenos, strict=True):
@@ -261,17 +249,10 @@ def render_chats(chats: list[list[dict]], tokenizer, linenos: list[int], source:
     return out
 
 
-def tokenize(texts: list[str], tokenizer, add_special_tokens: bool) -> list[np.ndarray]:
-    ids = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
-    return [np.asarray(x, dtype=np.int64) for x in ids]
-
-
 # ---------------------------------------------------------------------------- memmap
 def read_memmap(path: Path, pad_token_id: int | None) -> Prompts:
     """Token ids of a memmapped TensorDict (see the module doc for the accepted layouts)."""
     from tensordict import TensorDict
-
-    from torchrl_vllm_ext.wrappers.inputs import read_tokens
 
     if not (path / "meta.json").is_file():
         raise ConfigurationError(
@@ -306,14 +287,7 @@ def read_memmap(path: Path, pad_token_id: int | None) -> Prompts:
             raise InvalidRequestError(
                 f"--input {str(path)!r} row {i} holds a negative token id {int(t.min())}."
             )
-    return Prompts("memmap", token_ids, None, None, digest_ids(token_ids))
-
-
-def digest_ids(token_ids: list[np.ndarray]) -> str:
-    """sha256 of a list of token-id sequences (their lengths, then their ids)."""
-    h = hashlib.sha256()
-    lengths = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
-    h.update(lengths.tobytes())
+    h = hashlib.sha256(lengths_of(token_ids).tobytes())  # lengths, then every id
     for t in token_ids:
         h.update(np.ascontiguousarray(t, dtype=np.int64).tobytes())
-    return h.hexdigest()
+    return Prompts("memmap", token_ids, None, None, h.hexdigest())

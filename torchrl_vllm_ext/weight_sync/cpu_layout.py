@@ -8,8 +8,8 @@ on 2 cores, most of a push). With the weights kept as plain parameters behind
 update straight into them, and the tied LM head shares the embedding as on GPU.
 
 The switch happens in the worker process, before the model loads (the worker
-extension imports this module); ``TORCHRL_VLLM_CPU_PACKED_WEIGHTS=1`` keeps vLLM's
-packing.
+extension imports this module); ``ServiceConfig(cpu_packed_weights=True)`` keeps vLLM's
+packing (it reaches the worker as ``TORCHRL_VLLM_CPU_PACKED_WEIGHTS=1``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import os
 
 import torch
 
+from torchrl_vllm_ext._compat import replace_cpu_gemm_dispatch
+from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV
+
 logger = logging.getLogger(__name__)
 
-PACKED_ENV = "TORCHRL_VLLM_CPU_PACKED_WEIGHTS"
 _PLAIN_FLAG = "_tvllm_plain_linear"
 _UNQUANTIZED_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
@@ -35,32 +37,27 @@ def keep_checkpoint_layout() -> bool:
 
     Other layers (3-D expert weights, conv weights) keep vLLM's own dispatch.
     """
-    if os.environ.get(PACKED_ENV, "0") == "1":
+    if os.environ.get(PACKED_WEIGHTS_ENV, "0") == "1":
         return False
-    try:
-        from vllm.model_executor.layers import utils
-        from vllm.platforms import current_platform
-    except ImportError:  # another vLLM layout: keep its defaults
-        return False
-    original = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
-    if original is None or not current_platform.is_cpu():
-        return False
-    if getattr(original, _PLAIN_FLAG, False):
-        return True
 
-    def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
-        weight = getattr(layer, "weight", None)
-        if weight is None or weight.is_meta or weight.ndim != 2:
-            return original(layer, remove_weight)
-        layer.cpu_linear = _plain_linear
-        setattr(layer, _PLAIN_FLAG, True)
+    def make_dispatch(original):
+        if getattr(original, _PLAIN_FLAG, False):  # already replaced in this process
+            return original
 
-    setattr(dispatch, _PLAIN_FLAG, True)
-    # NOTE: vLLM's linear and embedding layers import this name at call time, so
-    # replacing the module attribute reaches every layer built after this point.
-    utils.dispatch_cpu_unquantized_gemm = dispatch
-    logger.debug("vLLM-CPU linear weights stay in checkpoint layout (torch linear)")
-    return True
+        def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+            weight = getattr(layer, "weight", None)
+            if weight is None or weight.is_meta or weight.ndim != 2:
+                return original(layer, remove_weight)
+            layer.cpu_linear = _plain_linear
+            setattr(layer, _PLAIN_FLAG, True)
+
+        setattr(dispatch, _PLAIN_FLAG, True)
+        return dispatch
+
+    applied = replace_cpu_gemm_dispatch(make_dispatch)
+    if applied:
+        logger.debug("vLLM-CPU linear weights stay in checkpoint layout (torch linear)")
+    return applied
 
 
 def loads_in_place(model: torch.nn.Module) -> bool:

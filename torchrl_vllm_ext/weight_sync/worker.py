@@ -1,7 +1,8 @@
 """vLLM worker extension: the receiving end of both transports.
 
 vLLM mixes this class into every model worker (``worker_extension_cls``); the
-replica actor calls its methods through ``collective_rpc``. Arguments and results
+replica actor calls its methods through ``collective_rpc``. Their names and arguments
+are declared in :class:`torchrl_vllm_ext.protocol.WorkerMethods`; arguments and results
 are plain data (strings, ints). Every method verifies what it received before it
 touches the served weights, and loads through the model's own ``load_weights``,
 which maps Hugging Face names onto vLLM's fused and sharded parameters.
@@ -14,12 +15,14 @@ import threading
 
 import torch
 
+from torchrl_vllm_ext._compat import worker_reload_weights
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.messages import UpdateHeader
 from torchrl_vllm_ext.weight_sync import cpu_layout
-from torchrl_vllm_ext.weight_sync.broadcast import header_from_json, make_process_group, unpack
+from torchrl_vllm_ext.weight_sync.collective import make_process_group
+from torchrl_vllm_ext.weight_sync.packing import header_from_json, unpack
 from torchrl_vllm_ext.weight_sync.params import checksum
-from torchrl_vllm_ext.weight_sync.storage import SlotReader
+from torchrl_vllm_ext.weight_sync.slots import SlotReader
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ class WeightSyncWorkerExtension:
         """Read, verify and load the published slot of ``path``; returns the loaded version.
 
         ``verified=True`` skips the checksums: the replica actor on this host verified
-        ``version`` just before the pause (:meth:`VLLMReplica.stage_storage`).
+        ``version`` just before the pause (``WeightSyncActorExtension.stage_storage``).
         """
         manifest, tensors = self._tvllm_reader(path).read(version, verify=not verified)
         self._tvllm_load(tensors.items())
@@ -83,7 +86,7 @@ class WeightSyncWorkerExtension:
         staged_version, thread, staged = getattr(self, "_tvllm_staged", (None, None, {}))
         if staged_version != version or thread is None:
             raise WeightSyncError(
-                f"no staged weights for version {version!r}; call stage_weights_from_storage first."
+                f"no staged weights for version {version!r}; call stage_weight_broadcast first."
             )
         return thread, staged
 
@@ -114,15 +117,10 @@ class WeightSyncWorkerExtension:
         )
         return rank
 
-    def receive_weight_broadcast(self, header_json: str, load: bool = True) -> str:
-        """Receive every bucket of one update, verify all, then load; returns the version.
-
-        ``load=False`` only receives and verifies (benchmarks time the wire pattern alone).
-        """
+    def receive_weight_broadcast(self, header_json: str) -> str:
+        """Receive every bucket of one update, verify all, then load; returns the version."""
         header = header_from_json(header_json)
-        tensors = self._tvllm_receive(header)
-        if load:
-            self._tvllm_load(tensors)
+        self._tvllm_load(self._tvllm_receive(header))
         return header.version
 
     def stage_weight_broadcast(self, header_json: str) -> bool:
@@ -179,7 +177,7 @@ class WeightSyncWorkerExtension:
             return
         # Packed (CPU oneDNN) or quantized weights: vLLM's layerwise reload redoes the
         # post-load processing of every layer.
-        self.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+        worker_reload_weights(self, named_tensors)
         _refresh_tied_lm_head(model)
 
 

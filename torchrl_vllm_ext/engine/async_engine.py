@@ -1,0 +1,116 @@
+"""vLLM's ``AsyncLLM`` behind the replica's :class:`~torchrl_vllm_ext.engine.base.Engine`.
+
+The engine core runs in a child process (GPU and tensor/pipeline-parallel replicas,
+whose engine core overlaps output processing with the next step). Load statistics are
+vLLM's own ``SchedulerStats``, captured by a stat logger ``AsyncLLM`` calls after
+every step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from torchrl_vllm_ext._compat import (
+    EngineLimits,
+    PauseMode,
+    SchedulerLoad,
+    engine_limits,
+    vllm_engine_api,
+)
+from torchrl_vllm_ext.engine.base import Engine
+
+
+def _stats_sink(sink: dict):
+    """A vLLM stat logger class that keeps the latest ``SchedulerStats`` in ``sink``."""
+
+    class SchedulerStatsSink(vllm_engine_api().StatLoggerBase):
+        def __init__(self, vllm_config, engine_index: int = 0):
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+            if scheduler_stats is not None:
+                sink["scheduler"] = scheduler_stats
+
+        def log_engine_initialized(self):
+            pass
+
+    return SchedulerStatsSink
+
+
+class AsyncEngine(Engine):
+    """One ``AsyncLLM`` (engine core in a child process)."""
+
+    def __init__(self, llm, sink: dict):
+        self._llm = llm
+        self._sink = sink
+        self._limits = engine_limits(llm.vllm_config, llm.tokenizer)
+
+    @classmethod
+    async def start(cls, engine_args) -> AsyncEngine:
+        sink: dict = {}
+        llm = vllm_engine_api().AsyncLLM.from_engine_args(
+            engine_args, stat_loggers=[_stats_sink(sink)]
+        )
+        return cls(llm, sink)
+
+    @property
+    def limits(self) -> EngineLimits:
+        return self._limits
+
+    @property
+    def errored(self) -> bool:
+        return self._llm.errored
+
+    async def generate(
+        self, inputs: Sequence[dict], params: Sequence[Any], request_ids: Sequence[str]
+    ) -> list:
+        return list(
+            await asyncio.gather(
+                *(self._one(i, p, r) for i, p, r in zip(inputs, params, request_ids, strict=True))
+            )
+        )
+
+    async def _one(self, engine_input: dict, params, request_id: str):
+        final = None
+        async for out in self._llm.generate(engine_input, params, request_id):
+            final = out
+        return final
+
+    async def abort(self, request_ids: Sequence[str]) -> None:
+        await self._llm.abort(list(request_ids))
+
+    async def _pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        await self._llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None):
+        return await self._llm.collective_rpc(method, args=args, kwargs=kwargs)
+
+    def load(self) -> SchedulerLoad:
+        sched = self._sink.get("scheduler")
+        if sched is None:
+            # Before the engine's first step no SchedulerStats exist; the scheduler then
+            # provably holds no request and no cache block, so zeros are the true values.
+            return SchedulerLoad(0, 0, 0.0)
+        return SchedulerLoad(
+            int(sched.num_running_reqs), int(sched.num_waiting_reqs), float(sched.kv_cache_usage)
+        )
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._llm.reset_prefix_cache()
+
+    async def set_weight_version(self, version: str) -> None:
+        await self._llm.update_weight_version(version)
+
+    async def get_weight_version(self) -> str:
+        return await self._llm.get_weight_version()
+
+    async def check_health(self) -> None:
+        await self._llm.check_health()
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()

@@ -1,0 +1,121 @@
+"""ServiceConfig: how a :class:`~torchrl_vllm_ext.VLLMService` launches and runs its replicas.
+
+Declared once: ``VLLMService.launch(model, **kwargs)`` fills these fields from its
+keyword arguments (the rest go to ``vllm.AsyncEngineArgs``), and every check runs in
+``__post_init__``, so a bad value fails before Ray or vLLM start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchrl_vllm_ext.engine.routing import validate_strategies
+from torchrl_vllm_ext.errors import ConfigurationError
+from torchrl_vllm_ext.hf import model_dir
+from torchrl_vllm_ext.protocol import ACTOR_EXTENSION, PACKED_WEIGHTS_ENV, WORKER_EXTENSION
+
+DEFAULT_ROUTING = ("prefix", "least_outstanding")
+ENGINE_PROCESS_ENV = "TORCHRL_VLLM_ENGINE_PROCESS"
+"""Overrides the default of :attr:`ServiceConfig.engine_process` (``1`` / ``0``)."""
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+@dataclass
+class ServiceConfig:
+    """How the service launches and runs its replicas.
+
+    Examples:
+        >>> from torchrl_vllm_ext.testing import make_tiny_model
+        >>> cfg = ServiceConfig(model=make_tiny_model(), num_replicas=2)  # doctest: +SKIP
+        >>> cfg.routing
+        ('prefix', 'least_outstanding')
+    """
+
+    model: str
+    """Local path of a Hugging Face causal LM."""
+    num_replicas: int = 1
+    """Engine replicas to start."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel workers per replica."""
+    pipeline_parallel_size: int = 1
+    """Pipeline-parallel stages per replica."""
+    ray_address: str | None = None
+    """Address of a Ray cluster to join; None starts (or reuses) a local one."""
+    routing: tuple[str, ...] = DEFAULT_ROUTING
+    """Routing strategies, tried in order (see :mod:`torchrl_vllm_ext.engine.routing`)."""
+    cpus_per_replica: float | None = None
+    """CPUs reserved per replica without GPUs (fractions allowed); default 1."""
+    weight_version: str = "0"
+    """Weight version label the replicas start with."""
+    engine_process: bool = field(default_factory=lambda: _env_flag(ENGINE_PROCESS_ENV))
+    """(Default from ``TORCHRL_VLLM_ENGINE_PROCESS``.) Run every replica's engine as ``AsyncLLM`` with an engine-core process, also on CPU
+    (default off: a single-worker CPU replica steps ``LLMEngine`` in its actor)."""
+    cpu_packed_weights: bool = field(default_factory=lambda: _env_flag(PACKED_WEIGHTS_ENV))
+    """(Default from ``TORCHRL_VLLM_CPU_PACKED_WEIGHTS``.) Keep vLLM-CPU's oneDNN-packed linear weights (default off: checkpoint layout, so a
+    weight update is an in-place copy)."""
+    worker_extension_cls: str | None = WORKER_EXTENSION
+    """vLLM ``worker_extension_cls`` of the replicas: the weight-sync receivers."""
+    actor_extension_cls: str | None = ACTOR_EXTENSION
+    """Class instantiated in each replica actor (``VLLMReplica.extension_call``)."""
+    startup_timeout: float = 900.0
+    """Seconds a replica may take to start its engine."""
+    placement_timeout: float = 60.0
+    """Seconds to wait for Ray to place a replica's placement group."""
+    shutdown_timeout: float = 60.0
+    """Seconds a replica may take to stop gracefully before it is killed."""
+    health_check_interval: float = 10.0
+    """Seconds between background health checks (0 disables them)."""
+    health_check_timeout: float = 30.0
+    """Seconds a replica may take to answer a health check."""
+    max_retries: int = 3
+    """Times a batch part is re-sent after its replica died."""
+    restart_attempts: int = 3
+    """Times a dead replica is restarted before it is given up."""
+    restart_backoff: float = 2.0
+    """Seconds before restart attempt k + 1, times k + 1."""
+    ready_poll_interval: float = 0.2
+    """Seconds between checks for a ready replica while none is."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra ``vllm.AsyncEngineArgs`` keyword arguments."""
+
+    def __post_init__(self):
+        for name in ("num_replicas", "tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(
+                    f"{name}={value!r} is invalid; it must be an integer >= 1."
+                )
+        for name in ("max_retries", "restart_attempts"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigurationError(f"{name}={value!r} is invalid; it must be an int >= 0.")
+        if self.cpus_per_replica is not None and not self.cpus_per_replica > 0:
+            raise ConfigurationError(
+                f"cpus_per_replica={self.cpus_per_replica!r} must be > 0 (fractions are fine)."
+            )
+        for name in ("startup_timeout", "placement_timeout", "shutdown_timeout"):
+            if not getattr(self, name) > 0:
+                raise ConfigurationError(f"{name}={getattr(self, name)!r} must be > 0 seconds.")
+        model_dir(self.model)
+        self.model = str(self.model)
+        self.routing = validate_strategies(self.routing)
+        self.weight_version = str(self.weight_version)
+        self.engine_kwargs = dict(self.engine_kwargs)
+
+    @classmethod
+    def from_kwargs(cls, model: str | Path, **kwargs: Any) -> ServiceConfig:
+        """Config fields from ``kwargs``; every other keyword goes to ``engine_kwargs``."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"model", "engine_kwargs"}
+        own = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        engine = {**kwargs.pop("engine_kwargs", {}), **kwargs}
+        return cls(model=model, **own, engine_kwargs=engine)
+
+
+__all__ = ["DEFAULT_ROUTING", "ServiceConfig"]

@@ -1,0 +1,54 @@
+"""The replica side of weight sync, declared once: where its receivers live and what they offer.
+
+A replica hosts two extensions, both named by dotted path in
+:class:`~torchrl_vllm_ext.engine.service.ServiceConfig` so that ``engine/`` never imports
+``weight_sync/``:
+
+- the **worker extension**, which vLLM mixes into every model worker
+  (``worker_extension_cls``) and the replica calls through ``collective_rpc``: it
+  receives, verifies and loads weights (:class:`WorkerMethods`);
+- the **actor extension**, an object in the replica's Ray actor, called through
+  ``VLLMReplica.extension_call``: work that must not hold up the engine's steps, such as
+  checksumming a storage slot before the pause (:class:`ActorMethods`).
+
+Every argument and result is plain data (str, int, float, bool). A transport names the
+methods it calls from here; ``tests/unit/test_protocol.py`` checks that each one exists
+with these parameters.
+"""
+
+from __future__ import annotations
+
+WORKER_EXTENSION = "torchrl_vllm_ext.weight_sync.worker.WeightSyncWorkerExtension"
+"""vLLM ``worker_extension_cls`` of every replica: the receivers of both transports."""
+ACTOR_EXTENSION = "torchrl_vllm_ext.weight_sync.actor.WeightSyncActorExtension"
+"""Actor extension of every replica: storage staging in the actor."""
+
+
+class WorkerMethods:
+    """Worker-extension methods, ``name  # (arguments) -> result`` (one result per worker)."""
+
+    LOAD_FROM_STORAGE = "load_weights_from_storage"
+    """(path: str, version: str | None = None, verified: bool = False) -> loaded version."""
+    INIT_BROADCAST = "init_weight_broadcast"
+    """(host, port, world_size, rank_offset, backend, timeout_s) -> this worker's rank."""
+    STAGE_BROADCAST = "stage_weight_broadcast"
+    """(header_json: str) -> True; receives and verifies in a background thread."""
+    STAGED_READY = "staged_weights_ready"
+    """(version: str) -> whether the staged receive finished (raises if it failed)."""
+    LOAD_STAGED = "load_staged_weights"
+    """(version: str) -> loaded version; the only broadcast step inside the pause."""
+    RECEIVE_BROADCAST = "receive_weight_broadcast"
+    """(header_json: str) -> loaded version; receive, verify, load (restarted replicas)."""
+    CLOSE_BROADCAST = "close_weight_broadcast"
+    """() -> whether a group was open."""
+
+
+class ActorMethods:
+    """Actor-extension methods, called with ``VLLMReplica.extension_call(name, args)``."""
+
+    STAGE_STORAGE = "stage_storage"
+    """(root: str, version: str) -> version; checksums the published slot."""
+
+PACKED_WEIGHTS_ENV = "TORCHRL_VLLM_CPU_PACKED_WEIGHTS"
+"""How ``ServiceConfig.cpu_packed_weights`` reaches the worker extension: set ("1" / "0")
+in each replica's environment, read by the worker before its model loads."""

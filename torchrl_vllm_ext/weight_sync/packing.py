@@ -1,0 +1,91 @@
+"""Packed buckets of the broadcast transport: same-dtype tensors laid end to end.
+
+One update = one header (names, dtypes, shapes, bucket layout, checksums, version)
+sent to each replica, then one collective per bucket (:mod:`.collective`); never one
+RPC per tensor. The receiving end is the worker extension (:mod:`.worker`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import torch
+
+from torchrl_vllm_ext.messages import BucketSpec, TensorSpec, UpdateHeader
+from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name, torch_dtype
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+def pack(
+    tensors: dict[str, torch.Tensor], version: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> tuple[UpdateHeader, list[torch.Tensor]]:
+    """Pack same-dtype tensors end to end into buckets of about ``bucket_bytes``.
+
+    Returns the header and the uint8 buffers, in broadcast order. A tensor larger
+    than ``bucket_bytes`` gets a bucket of its own.
+    """
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in tensors.items():
+        by_dtype.setdefault(t.dtype, []).append((name, t))
+    groups: list[list[tuple[str, torch.Tensor]]] = []
+    for items in by_dtype.values():
+        current, size = [], 0
+        for name, t in items:
+            nbytes = t.numel() * t.element_size()
+            if current and size + nbytes > bucket_bytes:
+                groups.append(current)
+                current, size = [], 0
+            current.append((name, t))
+            size += nbytes
+        if current:
+            groups.append(current)
+    specs, buffers = [], []
+    for group in groups:
+        buf = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in group])
+        specs.append(
+            BucketSpec(
+                dtype=dtype_name(group[0][1].dtype),
+                tensors=tuple(TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in group),
+                nbytes=buf.numel(),
+                checksum=checksum(buf.cpu()),
+            )
+        )
+        buffers.append(buf)
+    return UpdateHeader(version=str(version), buckets=tuple(specs)), buffers
+
+
+def header_to_json(h: UpdateHeader) -> str:
+    return json.dumps(asdict(h))
+
+
+def header_from_json(text: str) -> UpdateHeader:
+    raw = json.loads(text)
+    buckets = tuple(
+        BucketSpec(
+            dtype=b["dtype"],
+            tensors=tuple(
+                TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), int(t["checksum"]))
+                for t in b["tensors"]
+            ),
+            nbytes=int(b["nbytes"]),
+            checksum=int(b["checksum"]),
+        )
+        for b in raw["buckets"]
+    )
+    return UpdateHeader(version=str(raw["version"]), buckets=buckets)
+
+
+def unpack(bucket: BucketSpec, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Views of the tensors packed end to end in ``buffer`` (uint8)."""
+    dtype = torch_dtype(bucket.dtype)
+    out, offset = [], 0
+    for spec in bucket.tensors:
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        out.append((spec.name, buffer[offset : offset + nbytes].view(dtype).view(spec.shape)))
+        offset += nbytes
+    return out

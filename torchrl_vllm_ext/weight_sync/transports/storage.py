@@ -1,0 +1,81 @@
+"""The storage transport: a memory-mapped A/B double buffer that workers load from.
+
+``prepare``: 1) the writer fills the idle slot in place (copy, finiteness check and
+checksums in one pass) and publishes its manifest atomically; 2) each replica actor
+checksums the published slot while its engine keeps generating. In the pause the
+workers only copy the slot in (``load_weights_from_storage(root, version, verified=True)``).
+A restarted replica loads the published slot, so a push that no replica loaded
+publishes the previous version again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.messages import SlotManifest
+from torchrl_vllm_ext.protocol import ActorMethods, WorkerMethods
+from torchrl_vllm_ext.weight_sync.params import require_finite
+from torchrl_vllm_ext.weight_sync.slots import SlotWriter
+from torchrl_vllm_ext.weight_sync.transports.base import (
+    Replicas,
+    Transport,
+    WorkerCall,
+    fan_out,
+    raise_errors,
+)
+
+
+class StorageTransport(Transport):
+    """Weights through two memory-mapped TensorDict slots (see :mod:`..slots`).
+
+    Args:
+        service: the :class:`~torchrl_vllm_ext.VLLMService` pushed to.
+        storage_dir: root of the slots (default: a private tmpfs directory); on a
+            multi-host cluster, a directory every host shares.
+    """
+
+    name = "storage"
+    checks_finite = True
+
+    def __init__(self, service, storage_dir=None):
+        super().__init__(service)
+        self.writer = SlotWriter(storage_dir)
+        self._previous: SlotManifest | None = None
+
+    @property
+    def root(self) -> str:
+        return str(self.writer.root)
+
+    async def prepare(
+        self, tensors: dict[str, torch.Tensor], version: str, replicas: Replicas, phases: dict
+    ) -> WorkerCall:
+        t0 = time.perf_counter()
+        self._previous = self.writer.published()
+        await asyncio.to_thread(self.writer.write, tensors, version, require_finite)  # 1)
+        t1 = time.perf_counter()
+        staged = await fan_out(  # 2)
+            replicas,
+            lambda h: h.extension_call.remote(ActorMethods.STAGE_STORAGE, (self.root, version)),
+            "stage",
+        )
+        try:
+            raise_errors(staged, "stage", version)
+        except WeightSyncError:
+            await self.rollback(version)
+            raise
+        replicas[:] = [(rid, h) for rid, h in replicas if rid in staged.results]
+        phases.update(write=t1 - t0, stage=time.perf_counter() - t1)
+        return WorkerCall(WorkerMethods.LOAD_FROM_STORAGE, (self.root, version, True))
+
+    async def rollback(self, version: str) -> None:
+        if self._previous is not None:
+            # Restarted replicas load the published slot: point it back at the version
+            # the replicas still serve (a write only ever fills the other slot).
+            await asyncio.to_thread(self.writer.publish, self._previous)
+
+    async def bring_up(self, handle, version: str) -> None:
+        await handle.collective_rpc.remote(WorkerMethods.LOAD_FROM_STORAGE, (self.root, version))
