@@ -49,6 +49,7 @@ class ActorMethods:
     STAGE_STORAGE = "stage_storage"
     """(root: str, version: str) -> version; checksums the published slot."""
 
+
 PACKED_WEIGHTS_ENV = "TORCHRL_VLLM_CPU_PACKED_WEIGHTS"
 """How ``ServiceConfig.cpu_packed_weights`` reaches the worker extension: set ("1" / "0")
 in each replica's environment, read by the worker before its model loads."""

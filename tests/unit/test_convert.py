@@ -11,8 +11,8 @@ import torch
 from tensordict import TensorDict, lazy_stack
 
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
-from torchrl_vllm_ext.messages import ReplicaInfo, RequestData, SampleData
-from torchrl_vllm_ext.wrappers import VLLMPolicy, convert
+from torchrl_vllm_ext.messages import ReplicaInfo, RequestBatch, RequestData, SampleData
+from torchrl_vllm_ext.wrappers import VLLMPolicy, convert, scoring
 
 PAD = 0
 NAN = float("nan")
@@ -48,7 +48,7 @@ def request(prompt, responses, prompt_lp=False, version="3"):
 # ----------------------------------------------------------------------------- convert
 def test_generated_rows_layout():
     data = [request([5, 6, 7], [[9, 10]]), request([8], [[11, 12, 13]], version="4")]
-    rows = convert.generated_rows(convert.flatten(data))
+    rows = convert.generated_rows(RequestBatch.from_requests(data))
     td = lazy_stack(rows)
     full = td.get(("tokens", "full"), as_list=True)
     assert [f.tolist() for f in full] == [[5, 6, 7, 9, 10], [8, 11, 12, 13]]
@@ -70,19 +70,22 @@ def test_generated_rows_layout():
 
 
 def test_generated_rows_prompt_logprobs_first_token_zero():
-    rows = convert.generated_rows(convert.flatten([request([5, 6, 7], [[9]], prompt_lp=True)]))
+    rows = convert.generated_rows(
+        RequestBatch.from_requests([request([5, 6, 7], [[9]], prompt_lp=True)])
+    )
     lp = rows[0]["log_probs"]
     torch.testing.assert_close(lp.prompt, torch.tensor([0.0, -1.5, -2.5]))
     torch.testing.assert_close(lp.full, torch.tensor([0.0, -1.5, -2.5, -0.1]))
     rows = convert.generated_rows(
-        convert.flatten([request([5, 6, 7], [[9]], prompt_lp=True)]), with_prompt_logprobs=False
+        RequestBatch.from_requests([request([5, 6, 7], [[9]], prompt_lp=True)]),
+        with_prompt_logprobs=False,
     )
     assert torch.isnan(rows[0]["log_probs"].full[:3]).all()
 
 
 def test_generated_padded_layout():
     data = [request([5, 6, 7], [[9, 10]]), request([8], [[11, 12, 13]])]
-    td = convert.generated_padded(convert.flatten(data), PAD)
+    td = convert.generated_padded(RequestBatch.from_requests(data), PAD)
     assert td["tokens"].prompt.tolist() == [[5, 6, 7], [0, 0, 8]]
     assert td["tokens"].response.tolist() == [[9, 10, 0], [11, 12, 13]]
     assert td["tokens"].full.tolist() == [[5, 6, 7, 9, 10, 0], [0, 0, 8, 11, 12, 13]]
@@ -93,7 +96,9 @@ def test_generated_padded_layout():
     assert torch.isnan(lp[0, :3]).all() and not torch.isnan(lp[1, :2]).any()  # pads 0.0
     torch.testing.assert_close(td["log_probs"].response[0], torch.tensor([-0.1, -0.2, 0.0]))
     assert td.get(("vllm", "finish_reason")).tolist() == ["length", "length"]
-    flat = convert.flatten([request([5], [[1]], version="1"), request([6], [[2]], version="2")])
+    flat = RequestBatch.from_requests(
+        [request([5], [[1]], version="1"), request([6], [[2]], version="2")]
+    )
     assert convert.generated_padded(flat, PAD).get(("vllm", "weight_version")).tolist() == [
         "1",
         "2",
@@ -102,21 +107,23 @@ def test_generated_padded_layout():
 
 def test_generated_padded_prompt_logprobs_aligned_left():
     data = [request([5, 6, 7], [[9]], prompt_lp=True), request([8, 4], [[1]], prompt_lp=True)]
-    td = convert.generated_padded(convert.flatten(data), PAD)
+    td = convert.generated_padded(RequestBatch.from_requests(data), PAD)
     torch.testing.assert_close(
         td["log_probs"].prompt, torch.tensor([[0.0, -1.5, -2.5], [0.0, 0.0, -1.5]])
     )
 
 
 def test_num_samples_rows_repeat_prompt():
-    flat = convert.flatten([request([5, 6], [[1], [2, 3], [4]])])
-    assert len(flat.responses) == 3 and all(p is flat.prompts[0] for p in flat.prompts)
+    batch = RequestBatch.from_requests([request([5, 6], [[1], [2, 3], [4]])])
+    samples = convert.samples_of(batch)
+    assert samples.prompt_lengths.tolist() == [2, 2, 2]
+    assert samples.prompts.tolist() == [5, 6] * 3 and samples.responses.tolist() == [1, 2, 3, 4]
 
 
 def test_scored_rows_split_at_prompt():
     seqs = [np.array([5, 6, 7, 9]), np.array([8, 11])]
     data = [request(s, [[1]], prompt_lp=True) for s in seqs]
-    rows = convert.scored_rows(seqs, data, np.array([3, 1]), None)
+    rows = scoring.scored_rows(seqs, RequestBatch.from_requests(data), np.array([3, 1]), None)
     torch.testing.assert_close(rows[0]["log_probs"].full, torch.tensor([0.0, -1.5, -2.5, -3.5]))
     torch.testing.assert_close(rows[0]["log_probs"].response, torch.tensor([-3.5]))
     assert rows[1]["tokens"].prompt.tolist() == [8]
@@ -127,13 +134,17 @@ def test_scored_padded_scatter():
     tokens = torch.tensor([[0, 5, 6, 7], [8, 11, 12, 0]])
     mask = tokens != 0
     data = [request([5, 6, 7], [[1]], prompt_lp=True), request([8, 11, 12], [[1]], prompt_lp=True)]
-    td = convert.scored_padded(tokens, mask, data, prompt_width=2, assistant=None)
+    td = scoring.scored_padded(
+        tokens, mask, RequestBatch.from_requests(data), prompt_width=2, assistant=None
+    )
     torch.testing.assert_close(
         td["log_probs"].full, torch.tensor([[0.0, 0.0, -1.5, -2.5], [0.0, -1.5, -2.5, 0.0]])
     )
     assert td["log_probs"].response.shape == (2, 2)
     with pytest.raises(ValueError, match="prompt_logprobs=0"):
-        convert.scored_padded(tokens, mask, [request([5], [[1]])] * 2, None, None)
+        scoring.scored_padded(
+            tokens, mask, RequestBatch.from_requests([request([5], [[1]])] * 2), None, None
+        )
 
 
 # ----------------------------------------------------------------------------- policy (fake)
@@ -162,9 +173,12 @@ class FakeService:
             out.append(request(p, [(p[-1] + 1 + k + np.arange(m)) % 400 for k in range(n)]))
         return out
 
-    async def agenerate_batch(self, prompts, params, timeout=None, routing=None):
+    def generate_flat(self, prompts, params, timeout=None, routing=None):
+        return RequestBatch.from_requests(self.generate_batch(prompts, params, timeout=timeout))
+
+    async def agenerate_flat(self, prompts, params, timeout=None, routing=None):
         await asyncio.sleep(0)
-        return self.generate_batch(prompts, params, timeout=timeout)
+        return self.generate_flat(prompts, params, timeout=timeout)
 
 
 def prompts_td():
@@ -286,8 +300,8 @@ def test_weight_version_end_tags_a_generation_that_spans_a_keep_sync():
     spanning = request([5], [[1]], version="1")
     spanning.weight_version_end = "2"  # a ``keep`` sync landed mid-generation
     data = [spanning, request([6], [[2]], version="2")]
-    rows = lazy_stack(convert.generated_rows(convert.flatten(data)))
+    rows = lazy_stack(convert.generated_rows(RequestBatch.from_requests(data)))
     assert [rows[i]["vllm", "weight_version"] for i in range(2)] == ["1", "2"]
     assert [rows[i]["vllm", "weight_version_end"] for i in range(2)] == ["2", "2"]
-    padded = convert.generated_padded(convert.flatten(data), PAD)
+    padded = convert.generated_padded(RequestBatch.from_requests(data), PAD)
     assert padded.get(("vllm", "weight_version_end")).tolist() == ["2", "2"]

@@ -68,9 +68,9 @@ def test_layout_change_is_rejected(tmp_path):
 
 WRITER = """
 import sys, torch
-from torchrl_vllm_ext.weight_sync.slots import SlotWriter
+from torchrl_vllm_ext.weight_sync.slots import SlotWriter, read_published
 w = SlotWriter(sys.argv[1])
-v = 0
+v = int(read_published(sys.argv[1])[0].version)  # go on from the last published version
 while True:
     v += 1
     w.write({f"model.layers.{i}.w": torch.full((512, 512), float(v)) for i in range(8)}, str(v))

@@ -9,7 +9,7 @@ stacks through their rows' own tensors.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -209,3 +209,43 @@ def tokenize(tokenizer, texts: Sequence[str], add_special_tokens: bool = True) -
     """
     ids = tokenizer(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
     return [np.asarray(x, dtype=np.int64) for x in ids]
+
+
+class PolicyInput(NamedTuple):
+    """One call's sequences, read out of the input TensorDict."""
+
+    token_ids: list[np.ndarray]
+    """int64 ids of each batch element, row-major."""
+    texts: list[str] | None
+    """The text the ids came from (chat-templated in history mode); None in tokens mode."""
+    histories: list[Any] | None
+    """The ``History`` of each element in history mode, else None."""
+
+
+def read_input(
+    td: TensorDictBase,
+    key: NestedKey,
+    mode: str,
+    *,
+    tokenizer=None,
+    mask_key: NestedKey | None = None,
+    pad_token_id: int | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict | None = None,
+) -> PolicyInput:
+    """The sequences under ``key`` in input ``mode`` (tokens, text or history), tokenised."""
+    if mode == "tokens":
+        return PolicyInput(read_tokens(td, key, mask_key, pad_token_id), None, None)
+    if mode == "text":
+        texts = read_texts(td, key)
+        return PolicyInput(tokenize(tokenizer, texts), texts, None)
+    histories = read_histories(rows_of(td), key)
+    texts = [
+        h.apply_chat_template(
+            tokenizer=tokenizer,
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
+        )
+        for h in histories
+    ]
+    return PolicyInput(tokenize(tokenizer, texts, add_special_tokens=False), texts, histories)

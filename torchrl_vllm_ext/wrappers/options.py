@@ -1,0 +1,146 @@
+"""PolicyOptions: every option of :class:`~torchrl_vllm_ext.VLLMPolicy`, declared once.
+
+``VLLMPolicy(service, **options)`` builds one; every check runs here, at construction,
+so a policy that exists can run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchrl_vllm_ext.errors import ConfigurationError
+from torchrl_vllm_ext.hf import pad_token_id as default_pad_id
+from torchrl_vllm_ext.wrappers.convert import OutputKeys
+
+INPUT_MODES = ("tokens", "text", "history")
+SCORE_PARAMS = {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False}
+"""vLLM sampling parameters of a scoring call: prompt log-probs, one ignored token."""
+
+NestedKey = str | tuple[str, ...]
+
+
+@dataclass
+class PolicyOptions:
+    """How a :class:`~torchrl_vllm_ext.VLLMPolicy` reads, generates and writes.
+
+    Examples:
+        >>> PolicyOptions(num_samples=4, sampling_params={"max_tokens": 8}).engine_sampling()
+        {'max_tokens': 8, 'n': 4, 'detokenize': False}
+    """
+
+    input_mode: str = "tokens"
+    """``"tokens"``, ``"text"`` or ``"history"``."""
+    generate: bool = True
+    """Generate (True) or score the given sequences (False)."""
+    pad_output: bool = False
+    """Dense padded output (True) or ragged rows (False)."""
+    num_samples: int | None = None
+    """Samples per prompt ``G``; adds a trailing batch dim of size ``G``."""
+    sampling_params: Mapping[str, Any] | None = None
+    """vLLM ``SamplingParams`` fields (``max_tokens``, ``temperature``, ...); a call can
+    override them: ``policy(td, temperature=0)``."""
+    tokenizer: Any = None
+    """A Hugging Face tokenizer; required by text and history modes."""
+    pad_token_id: int | None = None
+    """Pad id of padded outputs and inputs (default: the tokenizer's, else its EOS)."""
+    return_prompt_log_probs: bool = False
+    """Also compute prompt log-probs while generating."""
+    attention_mask_key: NestedKey = ("masks", "all_attention_mask")
+    """Where a padded token input's bool mask is read."""
+    seed_key: NestedKey | None = "seed"
+    """An int per element under this key seeds that element's sampling."""
+    timeout: float | None = None
+    """Seconds per call (the requests are aborted in vLLM on expiry)."""
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """Extra ``apply_chat_template`` arguments (history mode)."""
+    tokens_key: str = "tokens"
+    """Top-level key of ``Tokens``."""
+    log_probs_key: str = "log_probs"
+    """Top-level key of ``LogProbs``."""
+    masks_key: str = "masks"
+    """Top-level key of ``Masks``."""
+    text_key: str = "text"
+    """Top-level key of ``Text`` (text and history modes)."""
+    history_key: str = "history"
+    """Top-level key of ``ChatHistory`` (history mode)."""
+
+    def __post_init__(self):
+        if self.input_mode not in INPUT_MODES:
+            raise ConfigurationError(
+                f"input_mode={self.input_mode!r} is not one of {INPUT_MODES}; pick the one "
+                "your data has."
+            )
+        if self.input_mode != "tokens" and self.tokenizer is None:
+            raise ConfigurationError(
+                f"input_mode={self.input_mode!r} needs a tokenizer to turn {self.input_mode} "
+                "into token ids; pass tokenizer=AutoTokenizer.from_pretrained(service.config.model)."
+            )
+        n = self.num_samples
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ConfigurationError(f"num_samples={n!r} must be None or an int >= 1.")
+        if n is not None and not self.generate:
+            raise ConfigurationError("num_samples applies to generation; use generate=True.")
+        if not isinstance(self.sampling_params, Mapping | None):
+            raise ConfigurationError(
+                f"sampling_params must be a dict of vllm.SamplingParams fields, got "
+                f"{type(self.sampling_params).__name__}; e.g. {{'max_tokens': 32, 'temperature': 1.0}}."
+            )
+        if "n" in (self.sampling_params or {}):
+            raise ConfigurationError(
+                "sampling_params['n'] is set by num_samples; pass num_samples=G instead."
+            )
+        if self.pad_token_id is None:
+            self.pad_token_id = default_pad_id(self.tokenizer)
+        if self.pad_output and self.pad_token_id is None:
+            raise ConfigurationError(
+                "pad_output=True needs a pad id; pass pad_token_id= or a tokenizer."
+            )
+        self.chat_template_kwargs = dict(self.chat_template_kwargs or {})
+
+    def replace(self, **changes) -> PolicyOptions:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def keys(self) -> OutputKeys:
+        return OutputKeys(
+            self.tokens_key, self.log_probs_key, self.masks_key, self.text_key, self.history_key
+        )
+
+    @property
+    def input_key(self) -> tuple[str, str]:
+        """Where the prompts (or, scoring, the whole sequences) are read."""
+        top = {"tokens": self.tokens_key, "text": self.text_key, "history": self.history_key}
+        return (top[self.input_mode], "prompt" if self.generate else "full")
+
+    @property
+    def output_keys(self) -> list:
+        """The top-level keys a call writes (TorchRL's order)."""
+        out = [self.masks_key, self.tokens_key, self.log_probs_key]
+        if self.input_mode != "tokens":
+            out.insert(0, self.text_key)
+        if self.input_mode == "history":
+            out.append(self.history_key)
+        if self.generate:
+            out.append(self.keys.extra)
+        return out
+
+    def engine_sampling(self) -> dict[str, Any]:
+        """The vLLM sampling fields of a generation call (before per-call overrides)."""
+        sampling = dict(self.sampling_params or {})
+        if self.num_samples is not None:
+            sampling["n"] = self.num_samples
+        if self.return_prompt_log_probs:
+            sampling["prompt_logprobs"] = 0
+        if self.input_mode == "tokens":
+            sampling.setdefault("detokenize", False)  # nobody reads the text: skip the work
+        else:
+            # Text that decodes exactly to the tokens (EOS included), as TorchRL's wrapper.
+            sampling.setdefault("skip_special_tokens", False)
+        return sampling
+
+
+__all__ = ["INPUT_MODES", "SCORE_PARAMS", "PolicyOptions"]
