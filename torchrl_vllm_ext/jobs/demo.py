@@ -11,33 +11,42 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 
+# Config fields the command line sets, and their flags.
+FLAGS = {
+    "model": "--model",
+    "output": "--output",
+    "steps": "--steps",
+    "group_size": "--group-size",
+    "prompts_per_step": "--prompts",
+    "replicas": "--replicas",
+    "transport": "--transport",
+    "lr": "--lr",
+    "seed": "--seed",
+    "dtype": "--dtype",
+    "high": "--high",
+    "cpus_per_replica": "--cpus-per-replica",
+}
+CHOICES = {
+    "transport": ("auto", "storage", "broadcast"),
+    "dtype": ("float32", "bfloat16", "float16"),
+}
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     from torchrl_vllm_ext.grpo.config import GRPOConfig
+    from torchrl_vllm_ext.jobs.flags import add_config_flags
 
-    d = GRPOConfig()
     p = sub.add_parser(
         "demo",
         help="train a model with GRPO on vLLM replicas (the main job)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="local HF causal LM (default: tiny random)")
-    p.add_argument("--output", type=Path, default=d.output, help=f"(default {d.output})")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"GRPO steps ({d.steps})")
-    p.add_argument("--group-size", type=int, default=d.group_size, help="samples per prompt")
-    p.add_argument("--prompts", type=int, default=d.prompts_per_step, help="prompts per step")
-    p.add_argument("--replicas", type=int, default=d.replicas)
-    p.add_argument("--transport", choices=("auto", "storage", "broadcast"), default=d.transport)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16"))
-    p.add_argument("--high", type=int, default=d.high, help="one past the alphabet's last id")
-    p.add_argument("--cpus-per-replica", type=float, default=d.cpus_per_replica)
+    add_config_flags(p, GRPOConfig, FLAGS, CHOICES)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -47,21 +56,9 @@ def run(args: argparse.Namespace) -> int:
     from torchrl_vllm_ext.grpo.config import GRPOConfig
     from torchrl_vllm_ext.grpo.report import breakdown_table
     from torchrl_vllm_ext.grpo.run import run_grpo
+    from torchrl_vllm_ext.jobs.flags import config_from_args
 
-    cfg = GRPOConfig(
-        model=args.model,
-        output=args.output,
-        steps=args.steps,
-        prompts_per_step=args.prompts,
-        group_size=args.group_size,
-        replicas=args.replicas,
-        transport=args.transport,
-        lr=args.lr,
-        seed=args.seed,
-        dtype=args.dtype,
-        high=args.high,
-        cpus_per_replica=args.cpus_per_replica,
-    )
+    cfg = config_from_args(GRPOConfig, args, FLAGS)
     result = run_grpo(cfg, progress=not args.no_progress)
     s = result["summary"]
     reached = (
