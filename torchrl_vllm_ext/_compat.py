@@ -174,6 +174,36 @@ def inproc_shutdown(llm_engine) -> None:
 def worker_reload_weights(worker, named_tensors) -> None:
     """vLLM's layerwise reload on a worker: re-runs every layer's post-load processing."""
     worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+    _refresh_tied_lm_head(worker.get_model())
+
+
+def _refresh_tied_lm_head(model) -> None:
+    """Re-derive a tied LM head's kernel weights from the reloaded embedding.
+
+    NOTE: vLLM's layerwise reload skips a tied ``lm_head`` (no checkpoint tensor of its
+    own), but on CPU its ``process_weights_after_loading`` packed a private copy of the
+    embedding for the GEMM; without this the logits keep using the old weights.
+    """
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is None:
+        return
+    if lm_head.weight.data_ptr() == embed.weight.data_ptr() and hasattr(lm_head, "quant_method"):
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+_UNQUANTIZED_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+
+
+def module_packs_weights(module) -> bool:
+    """Whether a vLLM-CPU layer runs its GEMM through a kernel of its own (``cpu_linear``)."""
+    return hasattr(module, "cpu_linear")
+
+
+def module_is_quantized(module) -> bool:
+    """Whether a vLLM layer's weights go through a quantization method."""
+    method = getattr(module, "quant_method", None)
+    return method is not None and type(method).__name__ not in _UNQUANTIZED_METHODS
 
 
 def replace_cpu_gemm_dispatch(make_dispatch) -> bool:

@@ -19,13 +19,16 @@ import os
 
 import torch
 
-from torchrl_vllm_ext._compat import replace_cpu_gemm_dispatch
+from torchrl_vllm_ext._compat import (
+    module_is_quantized,
+    module_packs_weights,
+    replace_cpu_gemm_dispatch,
+)
 from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV
 
 logger = logging.getLogger(__name__)
 
 _PLAIN_FLAG = "_tvllm_plain_linear"
-_UNQUANTIZED_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -68,9 +71,8 @@ def loads_in_place(model: torch.nn.Module) -> bool:
     the model is quantized.
     """
     for module in model.modules():
-        if hasattr(module, "cpu_linear") and not getattr(module, _PLAIN_FLAG, False):
+        if module_packs_weights(module) and not getattr(module, _PLAIN_FLAG, False):
             return False
-        method = getattr(module, "quant_method", None)
-        if method is not None and type(method).__name__ not in _UNQUANTIZED_METHODS:
+        if module_is_quantized(module):
             return False
     return True

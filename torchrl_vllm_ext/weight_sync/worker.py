@@ -178,20 +178,3 @@ class WeightSyncWorkerExtension:
         # Packed (CPU oneDNN) or quantized weights: vLLM's layerwise reload redoes the
         # post-load processing of every layer.
         worker_reload_weights(self, named_tensors)
-        _refresh_tied_lm_head(model)
-
-
-def _refresh_tied_lm_head(model) -> None:
-    """Re-derive a tied LM head's kernel weights from the reloaded embedding.
-
-    NOTE: vLLM's layerwise reload skips a tied ``lm_head`` (no checkpoint tensor of its
-    own), but on CPU its ``process_weights_after_loading`` packed a private copy of the
-    embedding for the GEMM; without this the logits keep using the old weights.
-    """
-    lm_head = getattr(model, "lm_head", None)
-    inner = getattr(model, "model", None)
-    embed = getattr(inner, "embed_tokens", None)
-    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is None:
-        return
-    if lm_head.weight.data_ptr() == embed.weight.data_ptr() and hasattr(lm_head, "quant_method"):
-        lm_head.quant_method.process_weights_after_loading(lm_head)
