@@ -1,0 +1,157 @@
+"""The scheme's push logic on stand-ins (no vLLM, no Ray): commit vs rollback, partial loads,
+restarted replicas. The real transports run in tests/integration/test_weight_sync.py."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme
+from torchrl_vllm_ext.weight_sync.transports.base import Transport, WorkerCall
+
+WEIGHTS = {"model.w": torch.ones(2, 2)}
+
+
+class Remote:
+    """``handle.method.remote(...)`` returning an awaitable, like a Ray actor method."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def remote(self, *args):
+        async def call():
+            return self.fn(*args)
+
+        return call()
+
+
+class Replica:
+    def __init__(self, rid, fail_load=False):
+        self.rid, self.fail_load, self.version = rid, fail_load, "0"
+        self.update_weights = Remote(self._update)
+        self.set_weight_version = Remote(self._set)
+
+    def _update(self, method, args, version, pause_mode):
+        if self.fail_load:
+            raise WeightSyncError(f"replica {self.rid}: worker call {method!r} failed: boom")
+        self.version = version
+        return {"pause_s": 0.01, "pausing_s": 0.0, "load_s": 0.005}
+
+    def _set(self, version):
+        self.version = version
+
+
+class Service:
+    def __init__(self, model_dir, replicas):
+        self.config = SimpleNamespace(model=str(model_dir))
+        self.replicas = {r.rid: r for r in replicas}
+        self.weights_provider = None
+        self.uses_gpu = False
+
+    @property
+    def replica_ids(self):
+        return sorted(self.replicas)
+
+    def replica_handle(self, rid):
+        return self.replicas[rid]
+
+    def set_weights_provider(self, provider):
+        self.weights_provider = provider
+
+    def run(self, coro):
+        return asyncio.run(coro)
+
+
+class FakeTransport(Transport):
+    name = "fake"
+
+    def __init__(self, service):
+        super().__init__(service)
+        self.events = []
+
+    async def prepare(self, tensors, version, replicas, phases):
+        self.events.append(("prepare", version, [rid for rid, _ in replicas]))
+        return WorkerCall("load_it", (version,))
+
+    async def commit(self, version):
+        self.events.append(("commit", version))
+
+    async def rollback(self, version):
+        self.events.append(("rollback", version))
+
+    async def bring_up(self, handle, version):
+        self.events.append(("bring_up", handle.rid, version))
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    save_file(WEIGHTS, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+def scheme_for(model_dir, replicas, rollout="parallel"):
+    service = Service(model_dir, replicas)
+    scheme = WeightSyncScheme(service, transport="storage", rollout=rollout)
+    scheme.transport_impl.close()
+    scheme.transport_impl = FakeTransport(service)
+    return service, scheme
+
+
+def test_a_push_commits_records_the_version_and_becomes_the_provider(model_dir):
+    service, scheme = scheme_for(model_dir, [Replica(0), Replica(1)])
+    report = scheme.push(WEIGHTS, version=3)
+    assert report.version == "3" and set(report.pause_s) == {0, 1}
+    assert scheme.transport_impl.events == [("prepare", "3", [0, 1]), ("commit", "3")]
+    assert scheme.version == "3" and service.weights_provider is scheme
+    assert {r.version for r in service.replicas.values()} == {"3"}
+
+
+def test_a_load_that_fails_everywhere_rolls_back(model_dir):
+    service, scheme = scheme_for(model_dir, [Replica(0, fail_load=True), Replica(1, True)])
+    with pytest.raises(WeightSyncError, match="no replica loaded it"):
+        scheme.push(WEIGHTS, version=1)
+    assert scheme.transport_impl.events[-1] == ("rollback", "1")
+    assert scheme.version is None and service.weights_provider is None
+
+
+def test_a_partial_load_keeps_what_loaded_and_says_which(model_dir):
+    # One replica loads, the other fails: the published weights must stay the new ones,
+    # since replica 0 serves them (rolling them back would make restarts disagree).
+    service, scheme = scheme_for(model_dir, [Replica(0), Replica(1, fail_load=True)])
+    with pytest.raises(WeightSyncError, match=r"replicas \[0\] loaded it"):
+        scheme.push(WEIGHTS, version=2)
+    assert ("rollback", "2") not in scheme.transport_impl.events
+    assert scheme.transport_impl.events[-1] == ("commit", "2")
+    assert scheme.version == "2" and service.weights_provider is scheme
+
+
+def test_rolling_stops_at_the_first_failed_replica(model_dir):
+    replicas = [Replica(0), Replica(1, fail_load=True), Replica(2)]
+    _service, scheme = scheme_for(model_dir, replicas, rollout="rolling")
+    with pytest.raises(WeightSyncError, match="failed on replica 1"):
+        scheme.push(WEIGHTS, version=4)
+    assert [r.version for r in replicas] == ["4", "0", "0"]
+
+
+def test_bad_weights_touch_no_replica(model_dir):
+    _service, scheme = scheme_for(model_dir, [Replica(0)])
+    with pytest.raises(WeightSyncError, match="NaN"):
+        scheme.push({"model.w": torch.full((2, 2), float("nan"))}, version=5)
+    with pytest.raises(WeightSyncError, match="missing"):
+        scheme.push({}, version=5)
+    assert scheme.transport_impl.events == []
+
+
+def test_a_restarted_replica_is_brought_to_the_live_version(model_dir):
+    _service, scheme = scheme_for(model_dir, [Replica(0)])
+    fresh = Replica(7)
+    asyncio.run(scheme.bring_up(fresh, 7))
+    assert fresh.version == "0", "nothing pushed yet: nothing to bring"
+    scheme.push(WEIGHTS, version=6)
+    asyncio.run(scheme.bring_up(fresh, 7))
+    assert ("bring_up", 7, "6") in scheme.transport_impl.events and fresh.version == "6"
