@@ -146,6 +146,16 @@ class RequestBatch:
     ~8 ms to deserialise on the driver, as these few flat arrays well under 1 ms.
     :meth:`unpack` gives :class:`RequestData` views for callers that want one object
     per request.
+
+    Examples:
+        >>> import numpy as np
+        >>> sample = SampleData(np.array([7, 8]), None, "length", None, "")
+        >>> req = RequestData(np.array([1, 2, 3]), None, [sample], 0, "1", "1")
+        >>> batch = RequestBatch.from_requests([req, req])
+        >>> batch.token_ids.tolist(), batch.prompt_lengths.tolist()
+        ([7, 8, 7, 8], [3, 3])
+        >>> RequestBatch.merge([([1], batch.take(np.array([0]))), ([0], batch.take(np.array([1])))], 2).unpack()[0].prompt_token_ids.tolist()
+        [1, 2, 3]
     """
 
     prompt_token_ids: np.ndarray

@@ -33,7 +33,15 @@ def check_pause_mode(mode: str) -> PauseMode:
 
 
 class Engine(abc.ABC):
-    """A started vLLM v1 engine, as a replica uses it. Build one with :meth:`start`."""
+    """A started vLLM v1 engine, as a replica uses it. Build one with :meth:`start`.
+
+    Examples:
+        >>> from vllm.engine.arg_utils import AsyncEngineArgs
+        >>> engine = await engine_class(in_process=True).start(
+        ...     AsyncEngineArgs(model=model_dir, dtype="float32")
+        ... )  # doctest: +SKIP
+        >>> await engine.pause("keep"); await engine.resume()  # doctest: +SKIP
+    """
 
     @classmethod
     @abc.abstractmethod

@@ -34,7 +34,7 @@ class ServiceConfig:
     Examples:
         >>> from torchrl_vllm_ext.testing import make_tiny_model
         >>> cfg = ServiceConfig(model=make_tiny_model(), num_replicas=2)  # doctest: +SKIP
-        >>> cfg.routing
+        >>> cfg.routing  # doctest: +SKIP
         ('prefix', 'least_outstanding')
     """
 

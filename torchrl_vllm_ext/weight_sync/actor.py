@@ -13,7 +13,12 @@ from torchrl_vllm_ext.weight_sync.slots import SlotReader
 
 
 class WeightSyncActorExtension:
-    """Storage staging: checksum a published slot while the engine keeps generating."""
+    """Storage staging: checksum a published slot while the engine keeps generating.
+
+    Examples:
+        >>> ray.get(handle.extension_call.remote("stage_storage", (root, "3")))  # doctest: +SKIP
+        '3'
+    """
 
     def __init__(self):
         self._readers: dict[str, SlotReader] = {}  # storage root -> reader (keeps slots mapped)

@@ -88,7 +88,16 @@ def raise_errors(outcomes: Outcomes, what: str, version: str) -> None:
 
 
 class Transport(abc.ABC):
-    """Moves validated weights to the replicas' workers; one per scheme."""
+    """Moves validated weights to the replicas' workers; one per scheme.
+
+    Examples:
+        >>> class Noop(Transport):  # the smallest transport: the workers reload the checkpoint
+        ...     name = "noop"
+        ...     async def prepare(self, tensors, version, replicas, phases):
+        ...         return WorkerCall("reload_checkpoint", (version,))  # a worker-extension method
+        ...     async def bring_up(self, handle, version):
+        ...         await handle.collective_rpc.remote("reload_checkpoint", (version,))
+    """
 
     name: ClassVar[str]
     """``storage`` or ``broadcast`` (reported in ``SyncReport.transport``)."""

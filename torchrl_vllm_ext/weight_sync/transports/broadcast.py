@@ -41,6 +41,11 @@ class BroadcastTransport(Transport):
         service: the :class:`~torchrl_vllm_ext.VLLMService` pushed to.
         bucket_bytes: bucket size.
         timeout_s: the group's collective timeout.
+
+    Examples:
+        >>> scheme = WeightSyncScheme(service, transport="broadcast")  # doctest: +SKIP
+        >>> scheme.transport_impl.backend  # doctest: +SKIP
+        'gloo'
     """
 
     name = "broadcast"

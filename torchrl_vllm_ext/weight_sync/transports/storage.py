@@ -36,6 +36,11 @@ class StorageTransport(Transport):
         service: the :class:`~torchrl_vllm_ext.VLLMService` pushed to.
         storage_dir: root of the slots (default: a private tmpfs directory); on a
             multi-host cluster, a directory every host shares.
+
+    Examples:
+        >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
+        >>> scheme.transport_impl.root  # doctest: +SKIP
+        '/dev/shm/torchrl-vllm-weights-...'
     """
 
     name = "storage"
