@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from torchrl_vllm_ext import ConfigurationError
 from torchrl_vllm_ext.cli import build_parser
 from torchrl_vllm_ext.jobs import generate
 from torchrl_vllm_ext.jobs.generate_store import OutputDir, load_output
@@ -88,7 +90,7 @@ def test_jsonl_roundtrip_and_resume(service, tiny_model, tokenizer, tmp_path, ca
     greedy = ("--temperature", "0", "--chunk-size", "2")
     whole = run_job(service, capsys, tiny_model, inp, tmp_path / "whole", *greedy)
     assert whole["rows"] == whole["rows_generated"] == 5 and whole["tokens"] > 0
-    assert whole["output"] == str(tmp_path / "whole" / "data")
+    assert whole["output"] == str(tmp_path / "whole")
     td = load_output(tmp_path / "whole")
     assert td.batch_size == (5,)
     check_rows(td, [tokenizer(t)["input_ids"] for t in texts])
@@ -130,9 +132,8 @@ def test_jsonl_roundtrip_and_resume(service, tiny_model, tokenizer, tmp_path, ca
     again = run_job(service, capsys, tiny_model, inp, tmp_path / "cut", *greedy)
     assert again["rows_generated"] == 0 and again["tokens"] == 0
     args = cli_args(tiny_model, inp, tmp_path / "cut", "--temperature", "0.5")
-    assert generate.run(args, service=service) == 2
-    err = capsys.readouterr().err
-    assert "temperature: 0.0 there, 0.5 now" in err and "--overwrite" in err
+    with pytest.raises(ConfigurationError, match=r"temperature: 0.0 there, 0.5 now.*--overwrite"):
+        generate.run(args, service=service)
 
 
 def test_memmap_roundtrip_with_samples(service, tiny_model, tmp_path, capsys):
@@ -192,13 +193,11 @@ def test_command_killed_and_resumed(service, tiny_model, tokenizer, tmp_path, ca
         "generate", "--model", str(tiny_model), "--input", str(inp), "--output", str(out),
         "--dtype", "float32", "--max-tokens", "16", "--chunk-size", "2", "--no-progress",
     ]  # fmt: skip
-    progress = out / "progress.json"
 
     def rows_done() -> int:
-        try:
-            return sum(hi - lo for lo, hi in json.loads(progress.read_text())["done"])
-        except (OSError, ValueError):
-            return 0
+        """Rows committed: covered by a chunk file (rows-LO-HI.json)."""
+        names = (p.name for p in (out / "chunks").glob("rows-*.json"))
+        return sum(int(hi) - int(lo) for lo, hi in (re.findall(r"\d+", n) for n in names))
 
     cmd = [sys.executable, "-m", "torchrl_vllm_ext.cli", "--log-level", "WARNING", *argv]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -225,7 +224,10 @@ def test_command_killed_and_resumed(service, tiny_model, tokenizer, tmp_path, ca
     assert not leaked, f"processes outlived the killed command: {leaked}"
     done = rows_done()
     assert 4 <= done < rows
-    assert not json.loads(progress.read_text())["complete"]
+    with pytest.raises(
+        ConfigurationError, match=rf"no finished generate output \({done} rows done"
+    ):
+        load_output(out)
 
     capsys.readouterr()
     assert generate.run(build_parser().parse_args(argv), service=service) == 0

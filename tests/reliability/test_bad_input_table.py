@@ -128,11 +128,11 @@ def output_is_a_file(c: Ctx):
 
 
 def output_entry_links_outside(c: Ctx):
-    from torchrl_vllm_ext.jobs.generate_store import PROGRESS
+    from torchrl_vllm_ext.jobs.generate_store import RUN
 
     out = c.tmp / "linked-out"
     out.mkdir()
-    (out / PROGRESS).symlink_to(c.tmp / "elsewhere.json")
+    (out / RUN).symlink_to(c.tmp / "elsewhere.json")
     c.generate(output=out)
 
 
@@ -273,7 +273,7 @@ CASES = [
     ("cli: missing input file", lambda c: c.generate(input=c.tmp / "nowhere.jsonl"),
      ConfigurationError, "--input '.*nowhere.jsonl' does not exist"),
     ("cli: model path without config.json", lambda c: c.generate(model=c.tmp),
-     ConfigurationError, "--model '.*' is not a model directory"),
+     ConfigurationError, "--model='.*' has no config.json"),
     ("cli: malformed JSONL line", lambda c: c.generate(lines=('{"prompt": "ok"}', "{not json")),
      InvalidRequestError, "line 2 is not valid JSON"),
     ("cli: line without a prompt", lambda c: c.generate(lines=('{"promt": "typo"}',)),
@@ -281,7 +281,7 @@ CASES = [
     ("cli: output path is a file", output_is_a_file,
      ConfigurationError, "--output '.*a-file' exists and is not a directory"),
     ("cli: output entry links outside the output dir", output_entry_links_outside,
-     ConfigurationError, "progress.json' is a symbolic link"),
+     ConfigurationError, "run.json' is a symbolic link"),
 ]  # fmt: skip
 
 

@@ -10,15 +10,19 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 
 from torchrl_vllm_ext import ConfigurationError, InvalidRequestError
-from torchrl_vllm_ext.jobs import generate_chunks
-from torchrl_vllm_ext.jobs.generate import GenerateOptions, check_model, fingerprint
-from torchrl_vllm_ext.jobs.generate_io import parse_jsonl_line, read_jsonl, read_prompts
+from torchrl_vllm_ext.jobs.generate import (
+    GenerateOptions,
+    chunk_output,
+    fingerprint,
+    policy_input,
+)
+from torchrl_vllm_ext.jobs.generate_io import Prompts, parse_jsonl_line, read_jsonl, read_prompts
 from torchrl_vllm_ext.jobs.generate_store import (
     Layout,
     OutputDir,
     chunks_left,
     inside,
-    merge_ranges,
+    load_output,
 )
 from torchrl_vllm_ext.testing import make_tiny_model
 
@@ -96,11 +100,12 @@ def test_jsonl_not_utf8(tokenizer):
         read_jsonl(b'{"prompt": "a"}\n{"prompt": "\xff"}', tokenizer)
 
 
-def test_parse_line_reports_id():
-    assert parse_jsonl_line('{"prompt_token_ids": [1], "id": "x"}', 4) == (
+def test_parse_line_reports_id_and_ignored_keys():
+    assert parse_jsonl_line('{"prompt_token_ids": [1], "id": "x", "n": 2}', 4) == (
         "prompt_token_ids",
         [1],
         "x",
+        {"n"},
     )
 
 
@@ -108,7 +113,7 @@ def test_missing_input_and_bad_memmaps(tmp_path, tokenizer):
     with pytest.raises(ConfigurationError, match=r"does not exist"):
         read_prompts(tmp_path / "nope.jsonl", tokenizer)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigurationError, match=r"without meta.json"):
+    with pytest.raises(ConfigurationError, match=r"not be loaded as a memory-mapped"):
         read_prompts(tmp_path / "empty", tokenizer)
     TensorDict({"other": torch.zeros(2, 3, dtype=torch.long)}, [2]).memmap(tmp_path / "nokey")
     with pytest.raises(InvalidRequestError, match=r"has no key \('tokens', 'prompt'\)"):
@@ -146,13 +151,6 @@ def test_memmap_inputs(tmp_path, tokenizer):
     assert p2.digest != p.digest
 
 
-def test_check_model(tmp_path, model):
-    with pytest.raises(ConfigurationError, match=r"no config.json"):
-        check_model(str(tmp_path / "missing"))
-    path, limit = check_model(str(model))
-    assert path == str(model.resolve()) and limit == 2048
-
-
 def test_options_are_checked():
     with pytest.raises(ConfigurationError, match=r"--max-tokens=0"):
         GenerateOptions(max_tokens=0)
@@ -164,7 +162,8 @@ def test_options_are_checked():
 
 # ---------------------------------------------------------------------------- bookkeeping
 def test_ranges():
-    assert merge_ranges([[4, 8], [0, 4], [10, 12]]) == [[0, 8], [10, 12]]
+    # Done ranges in any order, adjacent or overlapping.
+    assert chunks_left(14, [[4, 8], [0, 4], [10, 12], [11, 13]], 9) == [(8, 10), (13, 14)]
     assert chunks_left(12, [], 5) == [(0, 5), (5, 10), (10, 12)]
     assert chunks_left(12, [[0, 5], [8, 10]], 4) == [(5, 8), (10, 12)]
     assert chunks_left(4, [[0, 4]], 2) == []
@@ -189,41 +188,44 @@ def fake_chunk(lo, hi, layout=LAYOUT):
         "row": torch.arange(lo, hi).reshape(-1, *[1] * (len(b) - 1)).expand(b),
     }
     g = layout.samples
-    one = (lambda s: s) if g == 1 else (lambda s: [s] * g)
-    strings = {
-        "text.prompt": [one(f"p{i}") for i in range(lo, hi)],
-        "text.response": [one(f"r{i}") for i in range(lo, hi)],
-        "text.full": [one(f"p{i}r{i}") for i in range(lo, hi)],
-        "vllm.weight_version": [one("0")] * (hi - lo),
-        "vllm.finish_reason": [one("length" if i % 2 else "stop") for i in range(lo, hi)],
+    strings = {  # prompt per row; the others per sample, row-major
+        "prompt": [f"p{i}" for i in range(lo, hi)],
+        "response": [f"r{i}" for i in range(lo, hi) for _ in range(g)],
+        "weight_version": ["0"] * ((hi - lo) * g),
+        "finish_reason": ["length" if i % 2 else "stop" for i in range(lo, hi) for _ in range(g)],
     }
-    return tensors, strings, (hi - lo) * t * g
+    return tensors, strings
 
 
-def test_output_dir_resume_and_finish(tmp_path):
+def chunk_files(root):
+    return sorted(p.name for p in (root / "chunks").iterdir())
+
+
+def test_output_dir_resume_and_load(tmp_path):
     out = OutputDir.open(tmp_path / "out", LAYOUT, FP)
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o700
     assert out.remaining(2) == [(0, 2), (2, 4), (4, 5)]
     out.write_chunk(0, 2, *fake_chunk(0, 2))
-    # A kill after the strings of chunk [2, 4) were written but before progress was.
-    tensors, _, _ = fake_chunk(2, 4)
+    with pytest.raises(ConfigurationError, match=r"no finished generate output \(2 rows done\)"):
+        load_output(tmp_path / "out")
+    # Killed after the tensors of chunk [2, 4) were written, while its chunk file was being
+    # written (its tmp file is left): those rows are not done.
+    tensors, _ = fake_chunk(2, 4)
     out.data.get(("tokens", "full"))[2:4] = tensors[("tokens", "full")]
-    (tmp_path / "out" / "strings" / "rows-000000000002-000000000004.json").write_text("{}")
+    (tmp_path / "out" / "chunks" / ".rows-000000000002-000000000004.json.123.tmp").write_text("{")
     del out
 
     again = OutputDir.open(tmp_path / "out", LAYOUT, FP)
-    assert again.rows_done == 2 and again.remaining(3) == [(2, 5)]
-    assert sorted(p.name for p in (tmp_path / "out" / "strings").iterdir()) == [
-        "rows-000000000000-000000000002.json"
-    ]
+    assert again.rows_done == 2 and not again.complete and again.remaining(3) == [(2, 5)]
+    assert chunk_files(tmp_path / "out") == ["rows-000000000000-000000000002.json"]
     again.write_chunk(2, 5, *fake_chunk(2, 5))
-    again.finish()
-    assert again.complete and not (tmp_path / "out" / "strings").exists()
-    td = TensorDict.load_memmap(tmp_path / "out" / "data")
+    assert again.complete
+    td = load_output(tmp_path / "out")
     assert td.batch_size == (5,)
     assert td["row"].tolist() == [0, 1, 2, 3, 4]
     assert td["tokens", "full"][:, 0].tolist() == [0, 1, 2, 3, 4]
     assert td["text"].prompt == [f"p{i}" for i in range(5)]
+    assert td["text"].full == [f"p{i}r{i}" for i in range(5)]
     assert td.get(("vllm", "finish_reason")).tolist() == [
         "stop",
         "length",
@@ -232,39 +234,52 @@ def test_output_dir_resume_and_finish(tmp_path):
         "stop",
     ]
     assert td.get(("vllm", "weight_version")).tolist() == ["0"] * 5
+    assert "id" not in td.keys()
     assert type(td["tokens"]).__name__ == "Tokens"
-    progress = json.loads((tmp_path / "out" / "progress.json").read_text())
-    assert progress["done"] == [[0, 5]] and progress["complete"] and progress["tokens"] == 10
+    assert type(td["text"]).__name__ == "Text"
 
-    # Complete: opening again resumes nothing and finish() is a no-op.
+    # Complete: opening again resumes nothing.
     done = OutputDir.open(tmp_path / "out", LAYOUT, FP)
     assert done.complete and done.remaining(2) == []
-    done.finish()
 
 
-def test_finish_after_a_torn_finish(tmp_path):
+def test_samples_and_ids_load_per_sample(tmp_path):
     layout = Layout(rows=3, samples=2, prompt_width=2, max_tokens=1)
     out = OutputDir.open(tmp_path / "o", layout, FP)
-    out.write_chunk(0, 3, *fake_chunk(0, 3, layout))
-    # A kill while finish() rewrote data/'s meta files: one torn, one string dir half-made.
-    (tmp_path / "o" / "data" / "meta.json").write_text('{"tok')
-    (tmp_path / "o" / "data" / "text").mkdir()
-    again = OutputDir.open(tmp_path / "o", layout, FP)
-    again.finish()
-    td = TensorDict.load_memmap(tmp_path / "o" / "data")
+    tensors, strings = fake_chunk(0, 3, layout)
+    out.write_chunk(0, 3, tensors, {**strings, "id": ["a", "b", "c"]})
+    td = load_output(tmp_path / "o")
     assert td.batch_size == (3, 2)
     assert td["text"].response == [["r0", "r0"], ["r1", "r1"], ["r2", "r2"]]
+    assert td["text"].prompt == [["p0", "p0"], ["p1", "p1"], ["p2", "p2"]]
+    assert td.get("id").tolist() == [["a", "a"], ["b", "b"], ["c", "c"]]
     assert td["row"].tolist() == [[0, 0], [1, 1], [2, 2]]
+
+
+def test_data_is_never_rewritten(tmp_path):
+    """data/ holds tensors only: its meta files are written once, at allocation."""
+    out = OutputDir.open(tmp_path / "o", LAYOUT, FP)
+    metas = {p: p.read_bytes() for p in (tmp_path / "o" / "data").rglob("meta.json")}
+    out.write_chunk(0, 5, *fake_chunk(0, 5))
+    load_output(tmp_path / "o")
+    assert {p: p.read_bytes() for p in (tmp_path / "o" / "data").rglob("meta.json")} == metas
+    assert json.loads((tmp_path / "o" / "run.json").read_text())["rows"] == 5
 
 
 def test_other_run_is_refused(tmp_path):
     OutputDir.open(tmp_path / "o", LAYOUT, FP).write_chunk(0, 2, *fake_chunk(0, 2))
+    assert OutputDir.open(tmp_path / "o", LAYOUT, FP).rows_done == 2  # same run: resumed
     with pytest.raises(ConfigurationError, match=r"seed: 0 there, 1 now.*--overwrite"):
         OutputDir.open(tmp_path / "o", LAYOUT, {**FP, "seed": 1})
     with pytest.raises(ConfigurationError, match=r"max_tokens: 2 there, 3 now"):
         OutputDir.open(tmp_path / "o", Layout(5, 1, 3, 3), FP)
     fresh = OutputDir.open(tmp_path / "o", LAYOUT, {**FP, "seed": 1}, overwrite=True)
-    assert fresh.rows_done == 0
+    assert fresh.rows_done == 0 and chunk_files(tmp_path / "o") == []
+    # An unreadable run file is refused, unless the run is discarded anyway.
+    (tmp_path / "o" / "run.json").write_text("{torn")
+    with pytest.raises(ConfigurationError, match=r"run.json' cannot be read.*--overwrite"):
+        OutputDir.open(tmp_path / "o", LAYOUT, FP)
+    assert OutputDir.open(tmp_path / "o", LAYOUT, FP, overwrite=True).rows_done == 0
 
 
 def test_output_path_checks(tmp_path):
@@ -280,7 +295,7 @@ def test_output_path_checks(tmp_path):
     # Our own names must not lead out of the directory through a link.
     (tmp_path / "o").mkdir()
     (tmp_path / "elsewhere").mkdir()
-    os.symlink(tmp_path / "elsewhere", tmp_path / "o" / "strings")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "o" / "chunks")
     with pytest.raises(ConfigurationError, match=r"symbolic link"):
         OutputDir.open(tmp_path / "o", LAYOUT, FP)
     assert not any((tmp_path / "elsewhere").iterdir())
@@ -290,8 +305,6 @@ def test_output_path_checks(tmp_path):
 
 def test_chunk_roundtrip_to_output_widths(tokenizer):
     """chunk_output re-pads a policy-shaped padded result to the output's fixed widths."""
-    from torchrl_vllm_ext.jobs.generate_io import Prompts
-
     prompts = Prompts(
         "prompt_token_ids",
         [torch.tensor([5, 6]).numpy(), torch.tensor([7]).numpy()],
@@ -299,8 +312,9 @@ def test_chunk_roundtrip_to_output_widths(tokenizer):
         ["a", "b"],
         "d",
     )
-    td = generate_chunks.policy_input(prompts, 0, 2, pad=0, seed=10)
-    assert td["tokens", "prompt"].tolist() == [[5, 6], [7, 0]]
+    td = policy_input(prompts, 0, 2, pad=0, seed=10)
+    assert td["tokens", "prompt"].tolist() == [[5, 6], [0, 7]]
+    assert td["masks", "all_attention_mask"].tolist() == [[True, True], [False, True]]
     assert td["seed"].tolist() == [10, 11]
     # What VLLMPolicy(pad_output=True) returns for it: [lpad | prompt | response | rpad].
     result = TensorDict(
@@ -320,16 +334,52 @@ def test_chunk_roundtrip_to_output_widths(tokenizer):
     result.set(("vllm", "weight_version"), NonTensorData("0", batch_size=[2]))
     result.set(("vllm", "finish_reason"), NonTensorStack.from_list(["stop", "length"]))
     layout = Layout(rows=2, samples=1, prompt_width=3, max_tokens=4)
-    tensors, strings, n = generate_chunks.chunk_output(result, prompts, 0, 2, layout, tokenizer, 0)
+    tensors, strings, n = chunk_output(result, prompts, 0, 2, layout, tokenizer, 0)
     assert n == 3
     assert tensors["tokens", "full"].tolist() == [[0, 5, 6, 8, 0, 0, 0], [0, 0, 7, 9, 10, 0, 0]]
     assert tensors["masks", "all_assistant_mask"].sum(-1).tolist() == [1, 2]
     assert tensors["masks", "all_attention_mask"].sum(-1).tolist() == [3, 3]
     lp = tensors["log_probs", "full"]
     assert lp[0, 1:3].isnan().all() and lp[0, 0] == 0.0 and lp[1, 3:5].tolist() == [-2.0, -3.0]
-    assert strings["id"] == ["a", "b"] and strings["vllm.finish_reason"] == ["stop", "length"]
-    assert strings["text.response"] == [tokenizer.decode([8]), tokenizer.decode([9, 10])]
-    assert strings["text.full"][1] == tokenizer.decode([7]) + tokenizer.decode([9, 10])
+    assert tensors["masks", "all_attention_mask"].tolist() == [
+        [False, True, True, True, False, False, False],
+        [False, False, True, True, True, False, False],
+    ]
+    assert tensors["log_probs", "response"].tolist() == [[-1.0, 0, 0, 0], [-2.0, -3.0, 0, 0]]
+    assert tensors["row"].tolist() == [0, 1]
+    assert strings["id"] == ["a", "b"] and strings["finish_reason"] == ["stop", "length"]
+    assert strings["weight_version"] == ["0", "0"]
+    assert strings["response"] == [tokenizer.decode([8]), tokenizer.decode([9, 10])]
+    assert strings["prompt"] == [tokenizer.decode([5, 6]), tokenizer.decode([7])]
+
+
+def test_chunk_output_with_samples(tokenizer):
+    """With G samples per row the batch is (n, G): prompt strings per row, the rest per sample."""
+    prompts = Prompts("prompt", [torch.tensor([5]).numpy()], ["hi"], None, "d")
+    attention = torch.tensor([[[True, True, False], [True, True, True]]])
+    result = TensorDict(
+        {
+            ("tokens", "prompt"): torch.tensor([[[5], [5]]]),
+            ("tokens", "response"): torch.tensor([[[8, 0], [9, 10]]]),
+            ("masks", "all_attention_mask"): attention,
+            ("log_probs", "full"): torch.zeros(1, 2, 3),
+            ("log_probs", "response"): torch.zeros(1, 2, 2),
+        },
+        [1, 2],
+    )
+    result.set(("vllm", "weight_version"), NonTensorData("3", batch_size=[1, 2]))
+    result.set(("vllm", "finish_reason"), NonTensorStack.from_list([["length", "stop"]]))
+    layout = Layout(rows=1, samples=2, prompt_width=2, max_tokens=3)
+    tensors, strings, n = chunk_output(result, prompts, 0, 1, layout, tokenizer, 0)
+    assert n == 3 and tensors["tokens", "full"].shape == (1, 2, 5)
+    assert tensors["tokens", "full"].tolist() == [[[0, 5, 8, 0, 0], [0, 5, 9, 10, 0]]]
+    assert tensors["row"].tolist() == [[0, 0]]
+    assert strings == {
+        "prompt": ["hi"],
+        "response": [tokenizer.decode([8]), tokenizer.decode([9, 10])],
+        "weight_version": ["3", "3"],
+        "finish_reason": ["length", "stop"],
+    }
 
 
 def test_fingerprint(model, tokenizer):
@@ -351,6 +401,7 @@ def test_cli_errors_exit_2_before_any_launch(tmp_path, model, capsys):
     cases = [
         (["--model", str(model), "--input", str(bad)], "bad.jsonl line 2 is not valid JSON"),
         (["--model", str(tmp_path), "--input", str(good)], "no config.json"),
+        (["--model", str(tmp_path / "gone"), "--input", str(good)], "is not a local directory"),
         (["--model", str(model), "--input", str(tmp_path / "x.jsonl")], "does not exist"),
         (["--model", str(model), "--input", str(good), "--max-tokens", "5000"], "context length"),
         (["--model", str(model), "--input", str(good), "--top-p", "0"], "--top-p=0.0"),
