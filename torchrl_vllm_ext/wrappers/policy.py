@@ -98,8 +98,10 @@ class VLLMPolicy(TensorDictModuleBase):
             raise ConfigurationError(
                 f"VLLMPolicy got unknown option(s) {unknown}; the options are {sorted(names)}."
             )
-        options = (options or PolicyOptions()).replace(**kwargs) if kwargs else options
-        self.options = options or PolicyOptions()
+        if options is None:
+            self.options = PolicyOptions(**kwargs)
+        else:
+            self.options = options.replace(**kwargs) if kwargs else options
         self.service = service
         # TorchRL's transforms and collectors read these as attributes of the policy.
         for name in names:
