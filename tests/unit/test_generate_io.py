@@ -10,16 +10,18 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 
 from torchrl_vllm_ext import ConfigurationError, InvalidRequestError
-from torchrl_vllm_ext.jobs.generate import (
-    GenerateOptions,
-    chunk_output,
-    fingerprint,
+from torchrl_vllm_ext.jobs.generate import GenerateOptions, fingerprint
+from torchrl_vllm_ext.jobs.generate_io import (
+    Prompts,
+    parse_jsonl_line,
     policy_input,
+    read_jsonl,
+    read_prompts,
 )
-from torchrl_vllm_ext.jobs.generate_io import Prompts, parse_jsonl_line, read_jsonl, read_prompts
 from torchrl_vllm_ext.jobs.generate_store import (
     Layout,
     OutputDir,
+    chunk_output,
     chunks_left,
     inside,
     load_output,
@@ -198,7 +200,8 @@ def fake_chunk(lo, hi, layout=LAYOUT):
 
 
 def chunk_files(root):
-    return sorted(p.name for p in (root / "chunks").iterdir())
+    """The committed chunks (a killed write's tmp file is not one)."""
+    return sorted(p.name for p in (root / "chunks").glob("rows-*.json"))
 
 
 def test_output_dir_resume_and_load(tmp_path):
@@ -321,8 +324,12 @@ def test_chunk_roundtrip_to_output_widths(tokenizer):
         {
             ("tokens", "prompt"): torch.tensor([[5, 6], [0, 7]]),
             ("tokens", "response"): torch.tensor([[8, 0], [9, 10]]),
+            ("tokens", "full"): torch.tensor([[5, 6, 8, 0], [0, 7, 9, 10]]),
             ("masks", "all_attention_mask"): torch.tensor(
                 [[True, True, True, False], [False, True, True, True]]
+            ),
+            ("masks", "all_assistant_mask"): torch.tensor(
+                [[False, False, True, False], [False, False, True, True]]
             ),
             ("log_probs", "full"): torch.tensor(
                 [[float("nan")] * 2 + [-1.0, 0.0], [0.0, float("nan"), -2.0, -3.0]]
@@ -361,7 +368,9 @@ def test_chunk_output_with_samples(tokenizer):
         {
             ("tokens", "prompt"): torch.tensor([[[5], [5]]]),
             ("tokens", "response"): torch.tensor([[[8, 0], [9, 10]]]),
+            ("tokens", "full"): torch.tensor([[[5, 8, 0], [5, 9, 10]]]),
             ("masks", "all_attention_mask"): attention,
+            ("masks", "all_assistant_mask"): attention & torch.tensor([False, True, True]),
             ("log_probs", "full"): torch.zeros(1, 2, 3),
             ("log_probs", "response"): torch.zeros(1, 2, 2),
         },

@@ -5,9 +5,13 @@
     torchrl-vllm generate --model MODEL_DIR --input prompts.jsonl --output OUT_DIR \\
         [--max-tokens 64] [--temperature 1.0] [--num-samples 1] [--seed 0] [--chunk-size 64]
 
-Input (:mod:`.generate_io`): a JSONL file of ``{"prompt": ...}``, ``{"messages": [...]}``
-or ``{"prompt_token_ids": [...]}`` lines (optional ``"id"``), or the directory of a
-memory-mapped TensorDict with token ids under ``("tokens", "prompt")``.
+Input (:mod:`.generate_io`): a JSONL file, one object per line and all of one kind:
+``{"prompt": "text"}`` (tokenised with special tokens, as the policy's text mode),
+``{"messages": [{"role": ..., "content": ...}, ...]}`` (the chat template with the
+generation prompt, as the history mode) or ``{"prompt_token_ids": [...]}``; an optional
+``"id"`` (str or int) on every line or none, unique. Or a ``TensorDict.memmap``
+directory of batch ``(N,)`` with int token ids under ``("tokens", "prompt")`` (padded
+with a bool mask ``("masks", "all_attention_mask")``, padded without pad ids, or ragged).
 
 Output (:mod:`.generate_store`): ``load_output(OUT_DIR)`` is one TensorDict of batch
 ``(N,)`` (``(N, G)`` with ``--num-samples G``) in TorchRL's padded LLM layout (tokens,
@@ -103,19 +107,6 @@ def run(args, service=None) -> int:
     ``service`` (a running :class:`~torchrl_vllm_ext.VLLMService` on ``args.model``) is
     used instead of launching one; the caller keeps owning it.
     """
-    try:
-        summary = _run(args, service)
-    except KeyboardInterrupt:
-        print(
-            "torchrl-vllm generate: interrupted; run the same command again to resume.",
-            file=sys.stderr,
-        )
-        return 130
-    print(json.dumps(summary), flush=True)
-    return 0
-
-
-def _run(args, service) -> dict:
     from torchrl_vllm_ext.jobs.generate_io import read_prompts
     from torchrl_vllm_ext.jobs.generate_store import Layout, OutputDir
 
@@ -133,131 +124,75 @@ def _run(args, service) -> dict:
     layout = Layout(len(prompts), options.num_samples, width, options.max_tokens)
     fp = fingerprint(prompts, options, *served)
     out = OutputDir.open(args.output, layout, fp, overwrite=args.overwrite)
-    if out.complete:
-        return summary(out, 0, 0, 0.0)
-    if service is not None:
-        return generate_into(out, service, prompts, tokenizer, options, not args.no_progress)
-    from torchrl_vllm_ext import VLLMService
+    job = (out, prompts, tokenizer, options, not args.no_progress)
+    try:
+        if out.complete or service is not None:
+            summary = generate_into(service, *job)
+        else:
+            from torchrl_vllm_ext import VLLMService
 
-    with VLLMService.launch(
-        model,
-        num_replicas=args.replicas,
-        cpus_per_replica=args.cpus_per_replica,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len or width + options.max_tokens,
-        enforce_eager=True,
-        seed=options.seed,
-    ) as svc:
-        return generate_into(out, svc, prompts, tokenizer, options, not args.no_progress)
+            with VLLMService.launch(
+                model,
+                num_replicas=args.replicas,
+                cpus_per_replica=args.cpus_per_replica,
+                dtype=args.dtype,
+                max_model_len=args.max_model_len or width + options.max_tokens,
+                enforce_eager=True,
+                seed=options.seed,
+            ) as svc:
+                summary = generate_into(svc, *job)
+    except KeyboardInterrupt:
+        print("generate: interrupted; run the same command again to resume.", file=sys.stderr)
+        return 130
+    print(json.dumps(summary), flush=True)
+    return 0
 
 
-def generate_into(out, service, prompts, tokenizer, options: GenerateOptions, progress=True):
-    """Generate the rows of ``prompts`` that ``out`` (an ``OutputDir``) lacks; the summary.
-
-    >>> generate_into(out, svc, prompts, tokenizer, GenerateOptions())  # doctest: +SKIP
-    {'rows': 3, 'samples_per_row': 1, 'rows_generated': 3, 'tokens': 192, ...}
-    """
+def generate_into(service, out, prompts, tokenizer, options: GenerateOptions, progress=True):
+    """Generate the rows of ``prompts`` that ``out`` (an ``OutputDir``) lacks; the summary."""
     from tqdm.auto import tqdm
 
     from torchrl_vllm_ext import VLLMPolicy
+    from torchrl_vllm_ext.jobs.generate_io import policy_input
+    from torchrl_vllm_ext.jobs.generate_store import chunk_output
     from torchrl_vllm_ext.wrappers.inputs import check_vocab
 
-    check_fits(prompts, service.max_model_len, options.max_tokens)
-    check_vocab(prompts.token_ids, "prompt_token_ids", service.max_token_id)
-    pad, g = pad_token_id(tokenizer), options.num_samples
-    policy = VLLMPolicy(
-        service,
-        input_mode="tokens",
-        pad_output=True,
-        num_samples=g if g > 1 else None,
-        sampling_params={
-            "max_tokens": options.max_tokens,
-            "temperature": options.temperature,
-            "top_p": options.top_p,
-        },
-        pad_token_id=pad,
-    )
+    chunks, pad, g = out.remaining(options.chunk_size), pad_token_id(tokenizer), out.layout.samples
+    if chunks:  # a finished run needs no service
+        check_fits(prompts, service.max_model_len, options.max_tokens)
+        # Every row is checked before the first chunk: a fix of the input changes its
+        # fingerprint, so a late refusal would cost the finished chunks.
+        check_vocab(prompts.token_ids, "prompt_token_ids", service.max_token_id)
+        params = {"max_tokens": options.max_tokens, "top_p": options.top_p}
+        policy = VLLMPolicy(
+            service,
+            input_mode="tokens",
+            pad_output=True,
+            num_samples=g if g > 1 else None,
+            sampling_params={**params, "temperature": options.temperature},
+            pad_token_id=pad,
+        )
     rows_before, tokens, start = out.rows_done, 0, time.perf_counter()
     bar = tqdm(total=len(prompts), initial=rows_before, unit="row", desc="generate",
-               file=sys.stderr, disable=not progress, dynamic_ncols=True)  # fmt: skip
+               file=sys.stderr, disable=not progress or not chunks, dynamic_ncols=True)  # fmt: skip
     with bar:
-        for lo, hi in out.remaining(options.chunk_size):
+        for lo, hi in chunks:
             result = policy(policy_input(prompts, lo, hi, pad, options.seed))
             tensors, strings, n = chunk_output(result, prompts, lo, hi, out.layout, tokenizer, pad)
             out.write_chunk(lo, hi, tensors, strings)
             tokens += n
             bar.update(hi - lo)
             bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
-    return summary(out, out.layout.rows - rows_before, tokens, time.perf_counter() - start)
-
-
-def policy_input(prompts, lo: int, hi: int, pad: int, seed: int):
-    """Rows ``[lo, hi)`` as left-padded tokens with their mask, each seeded by its index."""
-    import numpy as np
-    import torch
-    from tensordict import TensorDict
-
-    from torchrl_vllm_ext.wrappers.padding import left_mask, left_pad
-
-    tokens = torch.from_numpy(left_pad(prompts.token_ids[lo:hi], pad, np.int64))
-    mask = left_mask(prompts.lengths[lo:hi])
-    source = {("tokens", "prompt"): tokens, ("masks", "all_attention_mask"): mask}
-    return TensorDict({**source, "seed": torch.arange(lo, hi) + seed}, batch_size=[hi - lo])
-
-
-def chunk_output(result, prompts, lo: int, hi: int, layout, tokenizer, pad: int):
-    """The policy's output, padded to the chunk's widths -> ``(tensors, strings, tokens)``.
-
-    ``tensors`` are padded further to the output's widths (``layout``: prompts on the
-    left, responses on the right); ``strings`` are the chunk file's fields (``prompt`` and
-    ``id`` per row, the others per sample, row-major); ``tokens`` counts those generated.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    from torchrl_vllm_ext.wrappers.inputs import flatten_rows
-
-    prompt, response = result.get(("tokens", "prompt")), result.get(("tokens", "response"))
-    mask = result.get(("masks", "all_attention_mask"))
-    w, r = prompt.shape[-1], response.shape[-1]
-
-    def left(x, fill):
-        return F.pad(x, (layout.prompt_width - w, 0), value=fill)
-
-    def right(x, fill):
-        return F.pad(x, (0, layout.max_tokens - r), value=fill)
-
-    P, R, lp = left(prompt, pad), right(response, pad), result.get(("log_probs", "full"))
-    lp_p, lp_r = left(lp[..., :w], 0.0), right(result.get(("log_probs", "response")), 0.0)
-    m_p, m_r = left(mask[..., :w], False), right(mask[..., w:], False)
-    batch = result.batch_size
-    tensors = {
-        ("tokens", "prompt"): P,
-        ("tokens", "response"): R,
-        ("tokens", "full"): torch.cat([P, R], -1),
-        ("log_probs", "response"): lp_r,
-        ("log_probs", "full"): torch.cat([lp_p, lp_r], -1),
-        ("masks", "all_attention_mask"): torch.cat([m_p, m_r], -1),
-        ("masks", "all_assistant_mask"): torch.cat([torch.zeros_like(m_p), m_r], -1),
-        "row": torch.arange(lo, hi).reshape(-1, *[1] * (len(batch) - 1)).expand(batch),
+    seconds = time.perf_counter() - start if chunks else 0.0
+    return {
+        "rows": len(prompts),
+        "samples_per_row": g,
+        "rows_generated": len(prompts) - rows_before,
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
+        "output": str(out.root),
     }
-
-    def decode(rows) -> list[str]:
-        ids = [x.tolist() for x in rows]
-        return tokenizer.batch_decode(
-            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
-        )
-
-    n = mask[..., w:].sum(-1).flatten()
-    strings = {
-        "prompt": prompts.texts[lo:hi] if prompts.texts else decode(prompts.token_ids[lo:hi]),
-        "response": decode(x[:k] for x, k in zip(response.reshape(-1, r), n, strict=True)),
-        "weight_version": list(flatten_rows(result.get(("vllm", "weight_version")).tolist())),
-        "finish_reason": list(flatten_rows(result.get(("vllm", "finish_reason")).tolist())),
-    }
-    if prompts.ids is not None:
-        strings["id"] = prompts.ids[lo:hi]
-    return tensors, strings, int(n.sum())
 
 
 def fingerprint(prompts, options: GenerateOptions, model, dtype: str) -> dict:
@@ -275,19 +210,6 @@ def fingerprint(prompts, options: GenerateOptions, model, dtype: str) -> dict:
         "temperature": options.temperature,
         "top_p": options.top_p,
         "seed": options.seed,
-    }
-
-
-def summary(out, rows_generated: int, tokens: int, seconds: float) -> dict:
-    """The JSON summary printed as the last stdout line."""
-    return {
-        "rows": out.layout.rows,
-        "samples_per_row": out.layout.samples,
-        "rows_generated": rows_generated,
-        "tokens": tokens,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
-        "output": str(out.root),
     }
 
 

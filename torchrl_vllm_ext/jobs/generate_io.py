@@ -1,15 +1,5 @@
-"""Inputs of ``torchrl-vllm generate``, read, checked and tokenised before any engine starts.
-
-JSONL: one object per line, all of one kind: ``{"prompt": "text"}`` (tokenised with the
-tokenizer's special tokens, as the policy's text mode), ``{"messages": [{"role": ...,
-"content": ...}, ...]}`` (rendered by the chat template with the generation prompt, then
-tokenised without special tokens, as the history mode) or ``{"prompt_token_ids": [...]}``.
-An optional ``"id"`` (str or int) is given on every line or none, and unique. Other keys
-are ignored with a warning, blank lines skipped; errors name the 1-based line.
-
-Memmap: a ``TensorDict.memmap`` directory of batch ``(N,)`` with int token ids under
-``("tokens", "prompt")``: padded with a bool mask ``("masks", "all_attention_mask")``,
-padded without a mask (no position may hold the pad id), or ragged (a lazy stack).
+"""Inputs of ``torchrl-vllm generate`` (formats in :mod:`.generate`), read, checked and
+tokenised before any engine starts; errors name the JSONL line or the memmap row.
 
 >>> parse_jsonl_line('{"prompt": "hi", "id": 7}', 1)
 ('prompt', 'hi', '7', set())
@@ -23,48 +13,55 @@ import logging
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+import torch
 
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
 from torchrl_vllm_ext.wrappers.inputs import check_vocab, read_tokens, tokenize
-from torchrl_vllm_ext.wrappers.padding import lengths_of
+from torchrl_vllm_ext.wrappers.padding import left_mask, left_pad, lengths_of
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("prompt", "messages", "prompt_token_ids")
-"""Row kinds of a JSONL input, by the key that carries the prompt."""
-TOKEN_KEY, MASK_KEY = ("tokens", "prompt"), ("masks", "all_attention_mask")
-"""Where a memmapped input holds its token ids and, if padded, their mask."""
-_VALUE_HELP = {
-    "prompt": '"prompt" must be a non-empty string',
-    "messages": '"messages" must be a non-empty list of {"role": str, "content": str} objects',
-    "prompt_token_ids": '"prompt_token_ids" must be a non-empty list of non-negative ints',
+KINDS = {  # the key that carries a line's prompt -> the check of its value, and the fix
+    "prompt": (lambda v: isinstance(v, str) and v, "a non-empty string"),
+    "messages": (
+        lambda v: isinstance(v, list) and v and all(map(_is_message, v)),
+        'a non-empty list of {"role": str, "content": str} objects',
+    ),
+    "prompt_token_ids": (
+        lambda v: isinstance(v, list) and v and all(map(_is_token_id, v)),
+        "a non-empty list of non-negative ints",
+    ),
 }
+
+
+def _is_message(m) -> bool:
+    return isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
 @dataclass
 class Prompts:
-    """Every prompt of an input, tokenised, in input order."""
+    """Every prompt of an input in input order: its ``kind`` (a JSONL key or ``memmap``),
+    int64 ``token_ids``, the ``texts`` they came from (chat-templated for ``messages``;
+    None for ids), the rows' ``ids`` (None when the input has none) and the ``digest`` of
+    the input's content (a resumed run must see the same input)."""
 
     kind: str
-    """``prompt``, ``messages``, ``prompt_token_ids`` (JSONL) or ``memmap``."""
     token_ids: list[np.ndarray]
-    """int64 token ids of each row."""
     texts: list[str] | None
-    """The text each row's ids came from (chat-templated for ``messages``); None for ids."""
     ids: list[str] | None
-    """The rows' ``"id"`` values as str, or None when the input gives none."""
     digest: str
-    """sha256 of the input's content: a resumed run must see the same input."""
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     @cached_property
     def lengths(self) -> np.ndarray:
-        """Prompt length of each row."""
         return lengths_of(self.token_ids)
 
 
@@ -73,8 +70,7 @@ def read_prompts(path: str | Path, tokenizer, pad_token_id: int | None = None) -
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigurationError(
-            f"--input {str(path)!r} does not exist; pass a JSONL file of prompts or the "
-            "directory of a memory-mapped TensorDict (TensorDict.memmap)."
+            f"--input {str(path)!r} does not exist; pass a JSONL file or a TensorDict.memmap dir."
         )
     try:
         if p.is_dir():
@@ -82,16 +78,12 @@ def read_prompts(path: str | Path, tokenizer, pad_token_id: int | None = None) -
         else:
             prompts = read_jsonl(p.read_bytes(), tokenizer, source=str(path))
     except OSError as e:
-        raise ConfigurationError(
-            f"--input {str(path)!r} cannot be read ({e}); check its permissions."
-        ) from None
-    check_vocab(prompts.token_ids, "--input", None)  # no empty row
+        raise ConfigurationError(f"--input {str(path)!r}: {e}; check its permissions.") from None
+    check_vocab(prompts.token_ids, "--input", None)  # no row without tokens
     return prompts
 
 
-def parse_jsonl_line(
-    line: str, lineno: int, source: str = "input"
-) -> tuple[str, Any, str | None, set]:
+def parse_jsonl_line(line: str, lineno: int, source: str = "input"):
     """One JSONL line -> ``(kind, value, id, ignored keys)``; errors name the line and the fix."""
     where = f"{source} line {lineno}"
     try:
@@ -103,8 +95,7 @@ def parse_jsonl_line(
         ) from None
     if not isinstance(obj, dict):
         raise InvalidRequestError(
-            f"{where} is a JSON {type(obj).__name__}, not an object; write "
-            '{"prompt": "..."}, {"messages": [...]} or {"prompt_token_ids": [...]}.'
+            f'{where} is a JSON {type(obj).__name__}, not an object; write {{"prompt": "..."}}.'
         )
     present = [k for k in KINDS if k in obj]
     if len(present) != 1:
@@ -114,27 +105,12 @@ def parse_jsonl_line(
             "one prompt."
         )
     kind, row_id = present[0], obj.get("id")
-    value = obj[kind]
-    if kind == "prompt":
-        ok = isinstance(value, str) and value
-    else:
-        item = _is_message if kind == "messages" else _is_token_id
-        ok = isinstance(value, list) and value and all(map(item, value))
-    if not ok:
-        raise InvalidRequestError(f"{where}: {_VALUE_HELP[kind]}, got {value!r:.80}.")
+    check, expected = KINDS[kind]
+    if not check(obj[kind]):
+        raise InvalidRequestError(f'{where}: "{kind}" must be {expected}, got {obj[kind]!r:.80}.')
     if row_id is not None and (not isinstance(row_id, str | int) or isinstance(row_id, bool)):
-        raise InvalidRequestError(
-            f"{where}: id={row_id!r} must be a string or an integer (or left out)."
-        )
-    return kind, value, None if row_id is None else str(row_id), set(obj) - {kind, "id"}
-
-
-def _is_message(m: Any) -> bool:
-    return isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
-
-
-def _is_token_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+        raise InvalidRequestError(f"{where}: id={row_id!r} must be a string or an integer.")
+    return kind, obj[kind], None if row_id is None else str(row_id), set(obj) - {kind, "id"}
 
 
 def read_jsonl(raw: bytes, tokenizer, source: str = "input") -> Prompts:
@@ -146,29 +122,23 @@ def read_jsonl(raw: bytes, tokenizer, source: str = "input") -> Prompts:
         raise InvalidRequestError(
             f"{source} line {line} is not UTF-8 (byte {e.start}); save the file as UTF-8."
         ) from None
-    rows = [
-        (n, *parse_jsonl_line(line, n, source))
-        for n, line in enumerate(text.splitlines(), start=1)
-        if line.strip()
-    ]
-    if not rows:
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if not lines:
         raise InvalidRequestError(
-            f'{source} holds no prompts; write one JSON object per line, e.g. {{"prompt": "hello"}}.'
+            f'{source} holds no prompts; write one JSON object per line, e.g. {{"prompt": "hi"}}.'
         )
-    first = {}  # kind -> its first line
-    for n, kind, *_ in rows:
-        first.setdefault(kind, n)
+    linenos, kinds, values, ids, extra = zip(
+        *((n, *parse_jsonl_line(line, n, source)) for n, line in lines), strict=True
+    )
+    first = {k: linenos[kinds.index(k)] for k in dict.fromkeys(kinds)}
     if len(first) > 1:
-        kinds = ", ".join(f"{k!r} (first at line {n})" for k, n in first.items())
+        mixed = ", ".join(f"{k!r} (first at line {n})" for k, n in first.items())
         raise InvalidRequestError(
-            f"{source} mixes prompt kinds: {kinds}; one file holds one kind, so split it into one "
-            "file per kind."
+            f"{source} mixes prompt kinds: {mixed}; one file holds one kind, so split it."
         )
-    linenos, kinds, values, ids, extra = zip(*rows, strict=True)
     if set().union(*extra):
         logger.warning("%s: ignoring keys %s", source, sorted(set().union(*extra)))
-    kind = kinds[0]
-    texts = None
+    kind, texts = kinds[0], None
     if kind == "prompt_token_ids":
         token_ids = [np.asarray(v, dtype=np.int64) for v in values]
     else:
@@ -176,13 +146,13 @@ def read_jsonl(raw: bytes, tokenizer, source: str = "input") -> Prompts:
             list(values) if kind == "prompt" else render_chats(values, tokenizer, linenos, source)
         )
         token_ids = tokenize(tokenizer, texts, add_special_tokens=kind == "prompt")
-    ids = _check_ids(ids, linenos, source)
-    return Prompts(kind, token_ids, texts, ids, hashlib.sha256(raw).hexdigest())
+    return Prompts(
+        kind, token_ids, texts, _check_ids(ids, linenos, source), hashlib.sha256(raw).hexdigest()
+    )
 
 
 def _check_ids(ids, linenos, source: str) -> list[str] | None:
-    """The ids if every line has one, all distinct; None if no line has one."""
-    seen: dict[str | None, int] = {}
+    seen: dict = {}  # every line has an id, all distinct, or no line has one
     for row_id, n in zip(ids, linenos, strict=True):
         if (row_id is None) != (ids[0] is None):
             has = ("no", "one") if row_id is None else ("an", "none")
@@ -200,11 +170,6 @@ def _check_ids(ids, linenos, source: str) -> list[str] | None:
 
 def render_chats(chats, tokenizer, linenos, source: str) -> list[str]:
     """Chat histories -> prompt strings through the tokenizer's chat template."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise InvalidRequestError(
-            f'{source} holds "messages" but the model\'s tokenizer has no chat template; use '
-            '{"prompt": "..."} lines or a model with a chat template.'
-        )
     out = []
     for chat, n in zip(chats, linenos, strict=True):
         try:
@@ -214,13 +179,13 @@ def render_chats(chats, tokenizer, linenos, source: str) -> list[str]:
         except Exception as e:  # jinja raises many types; the line number is what helps
             raise InvalidRequestError(
                 f"{source} line {n}: the chat template rejected these messages ({e}); check the "
-                "roles and their order."
+                'roles and their order, or use {"prompt": ...} lines for a model without one.'
             ) from e
     return out
 
 
 def read_memmap(path: Path, pad_token_id: int | None) -> Prompts:
-    """Token ids of a memmapped TensorDict (see the module doc for the accepted layouts)."""
+    """Token ids of a memmapped TensorDict (the accepted layouts are in :mod:`.generate`)."""
     from tensordict import TensorDict
 
     try:
@@ -235,19 +200,23 @@ def read_memmap(path: Path, pad_token_id: int | None) -> Prompts:
             f"--input {str(path)!r} has batch size {tuple(td.batch_size)}; it needs one batch "
             "dim (one row per prompt): reshape it with td.reshape(-1) before saving."
         )
-    if TOKEN_KEY not in td.keys(True):
-        raise InvalidRequestError(
-            f"--input {str(path)!r} has no key {TOKEN_KEY}; it has "
-            f"{sorted(map(str, td.keys(True, True)))}. Put the int token ids there (with a bool "
-            f"mask under {MASK_KEY} if they are padded)."
-        )
-    token_ids = read_tokens(td, TOKEN_KEY, MASK_KEY, pad_token_id)
-    negative = [i for i, t in enumerate(token_ids) if (t < 0).any()]
+    ids = read_tokens(td, ("tokens", "prompt"), ("masks", "all_attention_mask"), pad_token_id)
+    negative = [i for i, t in enumerate(ids) if (t < 0).any()]
     if negative:
         raise InvalidRequestError(
-            f"--input {str(path)!r} row {negative[0]} holds a negative token id; token ids must be >= 0."
+            f"--input {str(path)!r} row {negative[0]} holds a negative token id; ids must be >= 0."
         )
-    h = hashlib.sha256(lengths_of(token_ids).tobytes())  # the lengths, then every id
-    for t in token_ids:
+    h = hashlib.sha256(lengths_of(ids).tobytes())  # the lengths, then every id
+    for t in ids:
         h.update(np.ascontiguousarray(t, dtype=np.int64).tobytes())
-    return Prompts("memmap", token_ids, None, None, h.hexdigest())
+    return Prompts("memmap", ids, None, None, h.hexdigest())
+
+
+def policy_input(prompts: Prompts, lo: int, hi: int, pad: int, seed: int):
+    """Rows ``[lo, hi)`` as left-padded tokens with their mask, each seeded by its index."""
+    from tensordict import TensorDict
+
+    tokens = torch.from_numpy(left_pad(prompts.token_ids[lo:hi], pad, np.int64))
+    mask = left_mask(prompts.lengths[lo:hi])
+    source = {("tokens", "prompt"): tokens, ("masks", "all_attention_mask"): mask}
+    return TensorDict({**source, "seed": torch.arange(lo, hi) + seed}, batch_size=[hi - lo])

@@ -1,7 +1,7 @@
 """The output directory of ``torchrl-vllm generate``: filled chunk by chunk, resumable.
 
-Names are fixed here (nothing a user gives becomes a path), and each is refused if it is
-a symbolic link or resolves outside the directory::
+Names are fixed here (nothing a user gives becomes a path); each is refused if it is a
+symbolic link or resolves outside the directory::
 
     DIR/                      created 0700
       run.json                the run's fingerprint, written last when the run starts
@@ -12,8 +12,7 @@ A chunk is stored in two steps: 1) its tensors into ``data/`` in place, then fsy
 2) its chunk file (tmp file, fsync, rename), which commits it. A row is done exactly when
 a chunk file covers it, so a kill at any moment leaves at worst rows written but not
 done, which the resumed run generates again. Strings stay out of ``data/`` (a memmapped
-TensorDict cannot update them in place), so ``data/`` is never rewritten;
-:func:`load_output` joins the two.
+TensorDict cannot update them in place), so ``data/`` is never rewritten.
 
 >>> chunks_left(10, [(0, 4)], 4)
 [(4, 8), (8, 10)]
@@ -22,69 +21,38 @@ TensorDict cannot update them in place), so ``data/`` is never rewritten;
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from torchrl_vllm_ext._files import fsync_path, write_json_atomic
 from torchrl_vllm_ext.errors import ConfigurationError
+from torchrl_vllm_ext.wrappers.inputs import flatten_rows
 
-logger = logging.getLogger(__name__)
-
-FORMAT = 2
-"""Version of this directory layout, part of every fingerprint."""
 RUN, DATA, CHUNKS = "run.json", "data", "chunks"
 _CHUNK = re.compile(r"rows-(\d{12})-(\d{12})\.json")
+FIELDS = {  # the tensor fields stored, by tensorclass: (dtype, padding value, names)
+    "tokens": (torch.long, None, ("prompt", "response", "full")),  # padded with the pad id
+    "log_probs": (torch.float32, 0.0, ("response", "full")),
+    "masks": (torch.bool, False, ("all_attention_mask", "all_assistant_mask")),
+}
 
 
 @dataclass(frozen=True)
 class Layout:
-    """Shape of the output: every row is stored padded to fixed widths."""
+    """Shape of the output: ``rows`` N, ``samples`` G (batch ``(N,)`` or ``(N, G)``), and
+    the widths of ``tokens.prompt`` (the longest prompt) and ``tokens.response``."""
 
     rows: int
-    """Input rows ``N``."""
     samples: int
-    """Samples per row ``G``; the batch is ``(N,)`` for 1, ``(N, G)`` otherwise."""
     prompt_width: int
-    """Width of ``tokens.prompt``: the longest prompt (left-padded)."""
     max_tokens: int
-    """Width of ``tokens.response`` (right-padded)."""
-
-    @property
-    def batch(self) -> torch.Size:
-        return torch.Size([self.rows] if self.samples == 1 else [self.rows, self.samples])
-
-
-def schema(layout: Layout):
-    """A TensorDict of the output's tensor fields (expanded scalars: no memory)."""
-    from tensordict import MetaData, TensorDict
-    from torchrl.modules.llm.policies import LogProbs, Masks, Tokens
-
-    b, wp, t = layout.batch, layout.prompt_width, layout.max_tokens
-
-    def empty(dtype, *width):
-        return torch.zeros((), dtype=dtype).expand(*b, *width)
-
-    cls = {"padded": MetaData(True, batch_size=b), "batch_size": b}
-    long, f32, bool_ = torch.long, torch.float32, torch.bool
-    fields = {
-        "tokens": Tokens(
-            prompt=empty(long, wp), response=empty(long, t), full=empty(long, wp + t), **cls
-        ),
-        "log_probs": LogProbs(response=empty(f32, t), full=empty(f32, wp + t), **cls),
-        "masks": Masks(
-            all_attention_mask=empty(bool_, wp + t), all_assistant_mask=empty(bool_, wp + t), **cls
-        ),
-        "row": empty(long),
-    }
-    return TensorDict(fields, batch_size=b)
 
 
 def chunks_left(rows: int, done, chunk_size: int) -> list[tuple[int, int]]:
@@ -101,12 +69,10 @@ def inside(root: Path, *parts: str) -> Path:
     """``root / parts``, refused if it is a symbolic link or resolves outside ``root``."""
     path = root.joinpath(*parts)
     if path.is_symlink() or not path.resolve().is_relative_to(root):
-        what = (
-            "is a symbolic link" if path.is_symlink() else "resolves outside the output directory"
-        )
+        what = "is a symbolic link" if path.is_symlink() else "is outside the output directory"
         raise ConfigurationError(
-            f"{str(path)!r} {what} ({str(root)!r} holds only what generate writes); remove the "
-            "link or pick a new --output directory."
+            f"{str(path)!r} {what} {str(root)!r}, which holds only what generate writes; remove "
+            "the link or pick a new --output directory."
         )
     return path
 
@@ -130,11 +96,11 @@ class OutputDir:
     def open(cls, path, layout: Layout, fingerprint: dict, *, overwrite=False) -> OutputDir:
         """Resume the run in ``path`` if it has this fingerprint, else start one there.
 
-        ``overwrite`` discards the run ``path`` holds. A different run (without
-        ``overwrite``) or files generate did not write raise ``ConfigurationError``.
+        ``overwrite`` discards the run ``path`` holds; a different run (without it) or
+        files generate did not write raise ``ConfigurationError``.
         """
         root = _make_root(path)
-        fingerprint = {"format": FORMAT, **fingerprint, **asdict(layout)}
+        fingerprint = {**fingerprint, **asdict(layout)}
         try:
             old = _read_run(root)
         except ConfigurationError:
@@ -148,9 +114,7 @@ class OutputDir:
                 "to resume; pick an empty or new directory."
             )
         if old is not None and old != fingerprint and not overwrite:
-            keys = sorted(
-                k for k in set(old) | set(fingerprint) if old.get(k) != fingerprint.get(k)
-            )
+            keys = sorted(k for k in {*old, *fingerprint} if old.get(k) != fingerprint.get(k))
             diff = "; ".join(f"{k}: {old.get(k)!r} there, {fingerprint.get(k)!r} now" for k in keys)
             raise ConfigurationError(
                 f"--output {str(root)!r} holds a run with other inputs or settings ({diff}); pick "
@@ -158,12 +122,7 @@ class OutputDir:
             )
         if old is None or overwrite:
             _start(root, layout, fingerprint)
-        for tmp in inside(root, CHUNKS).glob(".rows-*.tmp"):  # of a killed chunk write
-            tmp.unlink()
-        out = cls(root, layout)
-        if out.rows_done:
-            logger.info("resuming %s: %d of %d rows done", root, out.rows_done, layout.rows)
-        return out
+        return cls(root, layout)
 
     @property
     def rows_done(self) -> int:
@@ -179,14 +138,54 @@ class OutputDir:
     def write_chunk(self, lo: int, hi: int, tensors: dict, strings: dict[str, list]) -> None:
         """Store rows ``[lo, hi)``: 1) tensors in place + fsync, 2) the chunk file (commit)."""
         targets = [self.data.get(key) for key in tensors]
-        for target, (key, value) in zip(targets, tensors.items(), strict=True):
-            if value.shape != target[lo:hi].shape:
-                raise ValueError(f"chunk [{lo}, {hi}) {key!r}: shape {tuple(value.shape)}")
+        for target, value in zip(targets, tensors.values(), strict=True):
             target[lo:hi] = value
         for target in targets:
             fsync_path(target.filename)  # also the pages written through the memmap
         write_json_atomic(inside(self.root, CHUNKS, f"rows-{lo:012d}-{hi:012d}.json"), strings)
         self.done.append((lo, hi))
+
+
+def chunk_output(result, prompts, lo: int, hi: int, layout: Layout, tokenizer, pad: int):
+    """The policy's output, padded to the chunk's widths -> ``(tensors, strings, tokens)``.
+
+    ``tensors`` are padded further to the output's widths (prompts on the left, responses
+    on the right); ``strings`` are the chunk file's fields (``prompt`` and ``id`` per row,
+    the others per sample, row-major); ``tokens`` counts the tokens generated.
+    """
+    response, mask = result.get(("tokens", "response")), result.get(("masks", "all_attention_mask"))
+    w, r, batch = result.get(("tokens", "prompt")).shape[-1], response.shape[-1], result.batch_size
+
+    def fit(x, name, fill):  # to the output's widths: prompts left-padded, responses right
+        left, right = (layout.prompt_width - w, 0), (0, layout.max_tokens - r)
+        if name in ("prompt", "response"):
+            return F.pad(x, left if name == "prompt" else right, value=fill)
+        prompt, reply = F.pad(x[..., :w], left, value=fill), F.pad(x[..., w:], right, value=fill)
+        return torch.cat([prompt, reply], -1)
+
+    tensors = {
+        (group, name): fit(result.get((group, name)), name, pad if fill is None else fill)
+        for group, (_, fill, names) in FIELDS.items()
+        for name in names
+    }
+    tensors["row"] = torch.arange(lo, hi).reshape(-1, *[1] * (len(batch) - 1)).expand(batch)
+
+    def decode(rows) -> list[str]:
+        ids = [x.tolist() for x in rows]
+        return tokenizer.batch_decode(
+            ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    n = mask[..., w:].sum(-1).flatten()
+    strings = {
+        "prompt": prompts.texts[lo:hi] if prompts.texts else decode(prompts.token_ids[lo:hi]),
+        "response": decode(x[:k] for x, k in zip(response.reshape(-1, r), n, strict=True)),
+        "weight_version": list(flatten_rows(result.get(("vllm", "weight_version")).tolist())),
+        "finish_reason": list(flatten_rows(result.get(("vllm", "finish_reason")).tolist())),
+    }
+    if prompts.ids is not None:
+        strings["id"] = prompts.ids[lo:hi]
+    return tensors, strings, int(n.sum())
 
 
 def load_output(path: str | Path):
@@ -196,21 +195,19 @@ def load_output(path: str | Path):
     fields of the chunk files: ``text`` (prompt, response, full), ``("vllm",
     "weight_version")``, ``("vllm", "finish_reason")`` and ``id`` (when the input has ids).
     """
-    from tensordict import NonTensorData, NonTensorStack, TensorDict
+    from tensordict import NonTensorData, NonTensorStack
     from torchrl.modules.llm.policies import Text  # also registers Tokens, LogProbs, Masks
 
     root = Path(path).expanduser().resolve()
     run = _read_run(root)
-    files = _chunk_files(root) if run else {}
-    done = sum(hi - lo for lo, hi in files)
-    if not run or done != run["rows"] or chunks_left(done, files, max(done, 1)):
+    out = OutputDir(root, Layout(**{f.name: run[f.name] for f in fields(Layout)})) if run else None
+    if out is None or out.remaining(1) or not out.complete:
         raise ConfigurationError(
-            f"{str(path)!r} holds no finished generate output ({done} rows done); run (or "
-            "resume) torchrl-vllm generate with --output there first."
+            f"{str(path)!r} holds no finished generate output ({out.rows_done if out else 0} rows "
+            "done); run (or resume) torchrl-vllm generate with --output there first."
         )
-    td = TensorDict.load_memmap(inside(root, DATA))
-    g, cols = run["samples"], {}
-    for _, file in sorted(files.items()):
+    td, g, cols = out.data, run["samples"], {}
+    for _, file in sorted(_chunk_files(root).items()):
         for name, values in json.loads(file.read_text()).items():
             cols.setdefault(name, []).extend(values)
     for name in ("prompt", "id"):  # per row -> per sample
@@ -232,16 +229,13 @@ def load_output(path: str | Path):
     return td
 
 
-def _own(name: str) -> bool:
-    """Whether generate writes ``name`` at the top of the output directory."""
+def _own(name: str) -> bool:  # at the top of the output directory
     return name in (RUN, DATA, CHUNKS) or (name.startswith(f".{RUN}.") and name.endswith(".tmp"))
 
 
-def _chunk_files(root: Path) -> dict[tuple[int, int], Path]:
-    """The committed chunks, ``(lo, hi) -> file``."""
+def _chunk_files(root: Path) -> dict[tuple[int, int], Path]:  # the committed chunks
     chunks = inside(root, CHUNKS)
-    names = [p.name for p in chunks.iterdir()] if chunks.is_dir() else []
-    matches = [m for m in map(_CHUNK.fullmatch, names) if m]
+    matches = [m for m in map(_CHUNK.fullmatch, os.listdir(chunks)) if m]
     return {(int(m[1]), int(m[2])): inside(chunks, m[0]) for m in matches}
 
 
@@ -263,13 +257,13 @@ def _make_root(path: str | Path) -> Path:
     return root.resolve()
 
 
-def _read_run(root: Path) -> dict[str, Any] | None:
+def _read_run(root: Path) -> dict | None:
     path = inside(root, RUN)
     if not path.exists():
         return None
     try:
         run = json.loads(path.read_text())
-        if not isinstance(run, dict) or not {"format", "rows", "samples"} <= set(run):
+        if not isinstance(run, dict) or not {"rows", "samples"} <= set(run):
             raise ValueError("not a generate run file")
     except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise ConfigurationError(
@@ -281,13 +275,29 @@ def _read_run(root: Path) -> dict[str, Any] | None:
 
 def _start(root: Path, layout: Layout, fingerprint: dict) -> None:
     """Clear what a previous run left, preallocate ``data/``, then write ``run.json``."""
+    from tensordict import MetaData, TensorDict
+    from torchrl.modules.llm.policies import LogProbs, Masks, Tokens
+
     for name in sorted((e.name for e in root.iterdir() if _own(e.name)), key=lambda n: n != RUN):
         path = inside(root, name)  # run.json first: without it, the rest is ours to clear
         if path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink()
-    schema(layout).memmap_like(inside(root, DATA))
+    b = [layout.rows] if layout.samples == 1 else [layout.rows, layout.samples]
+    widths = {"prompt": layout.prompt_width, "response": layout.max_tokens}
+    full = layout.prompt_width + layout.max_tokens
+    classes = {"tokens": Tokens, "log_probs": LogProbs, "masks": Masks}
+    fields = {  # expanded scalars: no memory until memmapped
+        group: classes[group](
+            **{n: torch.zeros((), dtype=dtype).expand(*b, widths.get(n, full)) for n in names},
+            padded=MetaData(True, batch_size=b),
+            batch_size=b,
+        )
+        for group, (dtype, _, names) in FIELDS.items()
+    }
+    fields["row"] = torch.zeros((), dtype=torch.long).expand(b)
+    TensorDict(fields, batch_size=b).memmap_like(inside(root, DATA))
     os.chmod(root / DATA, 0o700)
     inside(root, CHUNKS).mkdir(mode=0o700)
     write_json_atomic(inside(root, RUN), fingerprint)  # last: the run exists from here on
