@@ -5,25 +5,18 @@
     torchrl-vllm generate --model MODEL_DIR --input prompts.jsonl --output OUT_DIR \\
         [--max-tokens 64] [--temperature 1.0] [--num-samples 1] [--seed 0] [--chunk-size 64]
 
-Input (:mod:`.generate_io`): a JSONL file, one object per line and all of one kind:
-``{"prompt": "text"}`` (tokenised with special tokens, as the policy's text mode),
-``{"messages": [{"role": ..., "content": ...}, ...]}`` (the chat template with the
-generation prompt, as the history mode) or ``{"prompt_token_ids": [...]}``; an optional
-``"id"`` (str or int) on every line or none, unique. Or a ``TensorDict.memmap``
-directory of batch ``(N,)`` with int token ids under ``("tokens", "prompt")`` (padded
-with a bool mask ``("masks", "all_attention_mask")``, padded without pad ids, or ragged).
-
-Output (:mod:`.generate_store`): ``load_output(OUT_DIR)`` is one TensorDict of batch
-``(N,)`` (``(N, G)`` with ``--num-samples G``) in TorchRL's padded LLM layout (tokens,
-log-probs, masks, text, ``("vllm", "weight_version")``, ``("vllm", "finish_reason")``, the
-input ``row`` and its ``id``), its tensors memory-mapped in ``OUT_DIR/data``.
-
-Rows go through :class:`~torchrl_vllm_ext.VLLMPolicy` ``--chunk-size`` at a time; each
-chunk is committed once written, so a killed run resumes with the same command and
-redoes no finished row. Row ``i`` is seeded with ``--seed`` + ``i``: the output does not
-depend on chunking, replicas or interruptions. A run with other inputs or settings in the
-same directory is refused (pick a new ``--output`` or pass ``--overwrite``). The last
-stdout line is a JSON summary: rows, tokens, seconds, tokens/s, output directory.
+Input (:mod:`.generate_io`): a JSONL file of ``{"prompt": "text"}``, ``{"messages": [...]}``
+(chat template with the generation prompt) or ``{"prompt_token_ids": [...]}`` lines, all
+of one kind, each with an optional unique ``"id"``; or a ``TensorDict.memmap`` directory
+with int token ids under ``("tokens", "prompt")`` (and ``("masks",
+"all_attention_mask")`` if padded). Output (:mod:`.generate_store`): ``load_output(OUT_DIR)``
+is one TensorDict of batch ``(N,)`` (``(N, G)`` with ``--num-samples G``) in TorchRL's
+padded LLM layout, its tensors memory-mapped in ``OUT_DIR/data``. Each chunk of
+``--chunk-size`` rows is committed once written: a killed run resumes with the same
+command and redoes no finished row. Row ``i`` is seeded with ``--seed`` + ``i``, so the
+output does not depend on chunking, replicas or interruptions. Another run in the same
+directory is refused (pick a new ``--output`` or pass ``--overwrite``). The last stdout
+line is a JSON summary.
 """
 
 from __future__ import annotations
@@ -60,15 +53,14 @@ class GenerateOptions:
     """rows per policy call and per committed chunk"""
 
     def __post_init__(self):
-        rules = {
-            "max_tokens": (self.max_tokens >= 1, "an integer >= 1"),
-            "num_samples": (self.num_samples >= 1, "an integer >= 1"),
-            "chunk_size": (self.chunk_size >= 1, "an integer >= 1"),
-            "temperature": (math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
-            "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
-            "seed": (self.seed >= 0, ">= 0"),
-        }
-        for name, (ok, rule) in rules.items():
+        for name, ok, rule in (
+            ("max_tokens", self.max_tokens >= 1, "an integer >= 1"),
+            ("num_samples", self.num_samples >= 1, "an integer >= 1"),
+            ("chunk_size", self.chunk_size >= 1, "an integer >= 1"),
+            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("seed", self.seed >= 0, ">= 0"),
+        ):
             if not ok:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigurationError(f"{flag}={getattr(self, name)!r} must be {rule}.")
@@ -102,11 +94,8 @@ def add_parser(sub):
 
 
 def run(args, service=None) -> int:
-    """The command: 0 on success, 130 when interrupted; typed errors go to ``cli.main``.
-
-    ``service`` (a running :class:`~torchrl_vllm_ext.VLLMService` on ``args.model``) is
-    used instead of launching one; the caller keeps owning it.
-    """
+    """The command: 0, or 130 when interrupted (typed errors go to ``cli.main``). A running
+    ``service`` on ``args.model`` is used instead of launching one; the caller owns it."""
     from torchrl_vllm_ext.jobs.generate_io import read_prompts
     from torchrl_vllm_ext.jobs.generate_store import Layout, OutputDir
 
@@ -124,11 +113,11 @@ def run(args, service=None) -> int:
     layout = Layout(len(prompts), options.num_samples, width, options.max_tokens)
     fp = fingerprint(prompts, options, *served)
     out = OutputDir.open(args.output, layout, fp, overwrite=args.overwrite)
-    job = (out, prompts, tokenizer, options, not args.no_progress)
+    rows_before, tokens, seconds = out.rows_done, 0, 0.0
     try:
-        if out.complete or service is not None:
-            summary = generate_into(service, *job)
-        else:
+        if service is not None and not out.complete:
+            tokens, seconds = generate_into(service, out, prompts, tokenizer, options, args)
+        elif not out.complete:
             from torchrl_vllm_ext import VLLMService
 
             with VLLMService.launch(
@@ -140,16 +129,28 @@ def run(args, service=None) -> int:
                 enforce_eager=True,
                 seed=options.seed,
             ) as svc:
-                summary = generate_into(svc, *job)
+                tokens, seconds = generate_into(svc, out, prompts, tokenizer, options, args)
     except KeyboardInterrupt:
-        print("generate: interrupted; run the same command again to resume.", file=sys.stderr)
+        print(
+            "torchrl-vllm generate: interrupted; run the same command again to resume.",
+            file=sys.stderr,
+        )
         return 130
+    summary = {
+        "rows": len(prompts),
+        "samples_per_row": options.num_samples,
+        "rows_generated": len(prompts) - rows_before,
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
+        "output": str(out.root),
+    }
     print(json.dumps(summary), flush=True)
     return 0
 
 
-def generate_into(service, out, prompts, tokenizer, options: GenerateOptions, progress=True):
-    """Generate the rows of ``prompts`` that ``out`` (an ``OutputDir``) lacks; the summary."""
+def generate_into(service, out, prompts, tokenizer, options: GenerateOptions, args):
+    """Generate the rows of ``prompts`` that ``out`` lacks; ``(tokens, seconds)``."""
     from tqdm.auto import tqdm
 
     from torchrl_vllm_ext import VLLMPolicy
@@ -157,42 +158,32 @@ def generate_into(service, out, prompts, tokenizer, options: GenerateOptions, pr
     from torchrl_vllm_ext.jobs.generate_store import chunk_output
     from torchrl_vllm_ext.wrappers.inputs import check_vocab
 
-    chunks, pad, g = out.remaining(options.chunk_size), pad_token_id(tokenizer), out.layout.samples
-    if chunks:  # a finished run needs no service
-        check_fits(prompts, service.max_model_len, options.max_tokens)
-        # Every row is checked before the first chunk: a fix of the input changes its
-        # fingerprint, so a late refusal would cost the finished chunks.
-        check_vocab(prompts.token_ids, "prompt_token_ids", service.max_token_id)
-        params = {"max_tokens": options.max_tokens, "top_p": options.top_p}
-        policy = VLLMPolicy(
-            service,
-            input_mode="tokens",
-            pad_output=True,
-            num_samples=g if g > 1 else None,
-            sampling_params={**params, "temperature": options.temperature},
-            pad_token_id=pad,
-        )
-    rows_before, tokens, start = out.rows_done, 0, time.perf_counter()
-    bar = tqdm(total=len(prompts), initial=rows_before, unit="row", desc="generate",
-               file=sys.stderr, disable=not progress or not chunks, dynamic_ncols=True)  # fmt: skip
+    check_fits(prompts, service.max_model_len, options.max_tokens)
+    # Every row is checked before the first chunk: a fix of the input changes its
+    # fingerprint, so a late refusal would cost the finished chunks.
+    check_vocab(prompts.token_ids, "prompt_token_ids", service.max_token_id)
+    pad, g = pad_token_id(tokenizer), options.num_samples
+    params = {"max_tokens": options.max_tokens, "top_p": options.top_p}
+    policy = VLLMPolicy(
+        service,
+        input_mode="tokens",
+        pad_output=True,
+        num_samples=g if g > 1 else None,
+        sampling_params={**params, "temperature": options.temperature},
+        pad_token_id=pad,
+    )
+    tokens, start = 0, time.perf_counter()
+    bar = tqdm(total=len(prompts), initial=out.rows_done, unit="row", desc="generate",
+               file=sys.stderr, disable=args.no_progress, dynamic_ncols=True)  # fmt: skip
     with bar:
-        for lo, hi in chunks:
+        for lo, hi in out.remaining(options.chunk_size):
             result = policy(policy_input(prompts, lo, hi, pad, options.seed))
             tensors, strings, n = chunk_output(result, prompts, lo, hi, out.layout, tokenizer, pad)
             out.write_chunk(lo, hi, tensors, strings)
             tokens += n
             bar.update(hi - lo)
             bar.set_postfix(tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):.0f}")
-    seconds = time.perf_counter() - start if chunks else 0.0
-    return {
-        "rows": len(prompts),
-        "samples_per_row": g,
-        "rows_generated": len(prompts) - rows_before,
-        "tokens": tokens,
-        "seconds": round(seconds, 3),
-        "tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
-        "output": str(out.root),
-    }
+    return tokens, time.perf_counter() - start
 
 
 def fingerprint(prompts, options: GenerateOptions, model, dtype: str) -> dict:
@@ -203,7 +194,6 @@ def fingerprint(prompts, options: GenerateOptions, model, dtype: str) -> dict:
         h.update(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns};".encode())
     return {
         "input": prompts.digest,
-        "input_kind": prompts.kind,
         "model": str(root),
         "model_files": h.hexdigest(),
         "dtype": str(dtype),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tensordict import TensorDict
 
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
 from torchrl_vllm_ext.wrappers.inputs import check_vocab, read_tokens, tokenize
@@ -46,10 +47,7 @@ def _is_token_id(t) -> bool:
 
 @dataclass
 class Prompts:
-    """Every prompt of an input in input order: its ``kind`` (a JSONL key or ``memmap``),
-    int64 ``token_ids``, the ``texts`` they came from (chat-templated for ``messages``;
-    None for ids), the rows' ``ids`` (None when the input has none) and the ``digest`` of
-    the input's content (a resumed run must see the same input)."""
+    """An input's prompts in order: ids, the texts they came from, row ids, content digest."""
 
     kind: str
     token_ids: list[np.ndarray]
@@ -138,20 +136,6 @@ def read_jsonl(raw: bytes, tokenizer, source: str = "input") -> Prompts:
         )
     if set().union(*extra):
         logger.warning("%s: ignoring keys %s", source, sorted(set().union(*extra)))
-    kind, texts = kinds[0], None
-    if kind == "prompt_token_ids":
-        token_ids = [np.asarray(v, dtype=np.int64) for v in values]
-    else:
-        texts = (
-            list(values) if kind == "prompt" else render_chats(values, tokenizer, linenos, source)
-        )
-        token_ids = tokenize(tokenizer, texts, add_special_tokens=kind == "prompt")
-    return Prompts(
-        kind, token_ids, texts, _check_ids(ids, linenos, source), hashlib.sha256(raw).hexdigest()
-    )
-
-
-def _check_ids(ids, linenos, source: str) -> list[str] | None:
     seen: dict = {}  # every line has an id, all distinct, or no line has one
     for row_id, n in zip(ids, linenos, strict=True):
         if (row_id is None) != (ids[0] is None):
@@ -160,12 +144,20 @@ def _check_ids(ids, linenos, source: str) -> list[str] | None:
                 f'{source} line {n} has {has[0]} "id" but line {linenos[0]} has {has[1]}; give '
                 "every line an id or none."
             )
-        if row_id is not None and row_id in seen:
+        if row_id is not None and seen.setdefault(row_id, n) != n:
             raise InvalidRequestError(
                 f"{source} line {n} repeats id {row_id!r} of line {seen[row_id]}; ids must be unique."
             )
-        seen[row_id] = n
-    return None if ids[0] is None else list(ids)
+    kind, texts = kinds[0], None
+    if kind == "prompt_token_ids":
+        token_ids = [np.asarray(v, dtype=np.int64) for v in values]
+    else:
+        texts = (
+            list(values) if kind == "prompt" else render_chats(values, tokenizer, linenos, source)
+        )
+        token_ids = tokenize(tokenizer, texts, add_special_tokens=kind == "prompt")
+    row_ids = None if ids[0] is None else list(ids)
+    return Prompts(kind, token_ids, texts, row_ids, hashlib.sha256(raw).hexdigest())
 
 
 def render_chats(chats, tokenizer, linenos, source: str) -> list[str]:
@@ -186,8 +178,6 @@ def render_chats(chats, tokenizer, linenos, source: str) -> list[str]:
 
 def read_memmap(path: Path, pad_token_id: int | None) -> Prompts:
     """Token ids of a memmapped TensorDict (the accepted layouts are in :mod:`.generate`)."""
-    from tensordict import TensorDict
-
     try:
         td = TensorDict.load_memmap(path)
     except Exception as e:  # tensordict raises several types for a damaged directory
@@ -201,21 +191,12 @@ def read_memmap(path: Path, pad_token_id: int | None) -> Prompts:
             "dim (one row per prompt): reshape it with td.reshape(-1) before saving."
         )
     ids = read_tokens(td, ("tokens", "prompt"), ("masks", "all_attention_mask"), pad_token_id)
-    negative = [i for i, t in enumerate(ids) if (t < 0).any()]
-    if negative:
-        raise InvalidRequestError(
-            f"--input {str(path)!r} row {negative[0]} holds a negative token id; ids must be >= 0."
-        )
-    h = hashlib.sha256(lengths_of(ids).tobytes())  # the lengths, then every id
-    for t in ids:
-        h.update(np.ascontiguousarray(t, dtype=np.int64).tobytes())
-    return Prompts("memmap", ids, None, None, h.hexdigest())
+    digest = hashlib.sha256(np.concatenate([lengths_of(ids), *ids]).tobytes()).hexdigest()
+    return Prompts("memmap", ids, None, None, digest)
 
 
 def policy_input(prompts: Prompts, lo: int, hi: int, pad: int, seed: int):
     """Rows ``[lo, hi)`` as left-padded tokens with their mask, each seeded by its index."""
-    from tensordict import TensorDict
-
     tokens = torch.from_numpy(left_pad(prompts.token_ids[lo:hi], pad, np.int64))
     mask = left_mask(prompts.lengths[lo:hi])
     source = {("tokens", "prompt"): tokens, ("masks", "all_attention_mask"): mask}
