@@ -131,10 +131,7 @@ def run(args, service=None) -> int:
             ) as svc:
                 tokens, seconds = generate_into(svc, out, prompts, tokenizer, options, args)
     except KeyboardInterrupt:
-        print(
-            "torchrl-vllm generate: interrupted; run the same command again to resume.",
-            file=sys.stderr,
-        )
+        print("generate: interrupted; run the same command again to resume.", file=sys.stderr)
         return 130
     summary = {
         "rows": len(prompts),

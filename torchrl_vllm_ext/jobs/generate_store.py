@@ -130,14 +130,9 @@ class OutputDir:
     @staticmethod
     def start(root: Path, layout: Layout, fingerprint: dict) -> None:
         """Clear what a previous run left, preallocate ``data/``, then write ``run.json``."""
-        for name in sorted(
-            (e.name for e in root.iterdir() if _own(e.name)), key=lambda n: n != RUN
-        ):
-            path = inside(root, name)  # run.json first: without it, the rest is ours to clear
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+        own = sorted((e.name for e in root.iterdir() if _own(e.name)), key=lambda n: n != RUN)
+        for path in (inside(root, name) for name in own):  # run.json first: the rest is ours
+            (shutil.rmtree if path.is_dir() else os.unlink)(path)
         b = [layout.rows] if layout.samples == 1 else [layout.rows, layout.samples]
         widths = {"prompt": layout.prompt_width, "response": layout.max_tokens}
         full = layout.prompt_width + layout.max_tokens
@@ -204,9 +199,8 @@ def _own(name: str) -> bool:  # written by generate at the top of the output dir
 
 
 def chunk_output(result, prompts, lo: int, hi: int, layout: Layout, tokenizer, pad: int):
-    """The policy's output (padded to the chunk's widths) -> ``(tensors, strings, tokens)``:
-    the tensors padded to the output's widths, the chunk file's fields (``prompt`` and
-    ``id`` per row, the others per sample) and the number of tokens generated."""
+    """The policy's output -> ``(tensors, strings, tokens)``: tensors at the output's widths,
+    the chunk file's fields (``prompt``, ``id`` per row, the rest per sample), tokens made."""
     response, mask = result.get(("tokens", "response")), result.get(("masks", "all_attention_mask"))
     w, r, batch = result.get(("tokens", "prompt")).shape[-1], response.shape[-1], result.batch_size
 
@@ -228,7 +222,6 @@ def chunk_output(result, prompts, lo: int, hi: int, layout: Layout, tokenizer, p
     decode = partial(
         tokenizer.batch_decode, skip_special_tokens=False, clean_up_tokenization_spaces=False
     )
-
     n = mask[..., w:].sum(-1).flatten()
     strings = {
         "prompt": prompts.texts[lo:hi] if prompts.texts else decode(prompts.token_ids[lo:hi]),
@@ -242,9 +235,8 @@ def chunk_output(result, prompts, lo: int, hi: int, layout: Layout, tokenizer, p
 
 
 def load_output(path: str | Path):
-    """The finished output of ``torchrl-vllm generate --output path`` as one TensorDict:
-    the memmapped tensors of ``path/data`` with the string fields of its chunk files (``text``,
-    ``("vllm", "weight_version")``, ``("vllm", "finish_reason")``, ``id`` if given)."""
+    """The finished output of ``generate --output path``: the memmapped tensors of ``data/``
+    with the chunk files' ``text``, ``("vllm", "weight_version" | "finish_reason")``, ``id``."""
     root = Path(path).expanduser().resolve()
     run = OutputDir.read_run(root)
     out = OutputDir(root, Layout(*(run[k] for k in Layout._fields))) if run else None
@@ -268,13 +260,8 @@ def load_output(path: str | Path):
             [values[i : i + g] for i in range(0, len(values), g)] if g > 1 else values
         )
 
-    td.set(
-        "text",
-        Text(
-            **{k: strings(cols[k]) for k in ("prompt", "response", "full")},
-            batch_size=td.batch_size,
-        ),
-    )
+    text = {k: strings(cols[k]) for k in ("prompt", "response", "full")}
+    td.set("text", Text(**text, batch_size=td.batch_size))
     for name in ("weight_version", "finish_reason"):
         td.set(("vllm", name), strings(cols[name]))
     if cols["id"]:
