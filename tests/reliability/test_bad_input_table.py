@@ -74,7 +74,7 @@ class Ctx:
         argv = ["generate", "--model", str(model or self.service.config.model)]
         argv += ["--input", str(input), "--output", str(output), "--max-tokens", "2"]
         args = build_parser().parse_args([*argv, "--no-progress"])
-        return generate._run(args, self.service)
+        return generate.run(args, self.service)
 
     def slots(self, name: str) -> Path:
         root = self.tmp / name
