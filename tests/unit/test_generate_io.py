@@ -412,7 +412,10 @@ def test_cli_errors_exit_2_before_any_launch(tmp_path, model, capsys):
         (["--model", str(tmp_path), "--input", str(good)], "no config.json"),
         (["--model", str(tmp_path / "gone"), "--input", str(good)], "is not a local directory"),
         (["--model", str(model), "--input", str(tmp_path / "x.jsonl")], "does not exist"),
-        (["--model", str(model), "--input", str(good), "--max-tokens", "5000"], "context length"),
+        (
+            ["--model", str(model), "--input", str(good), "--max-tokens", "5000"],
+            "the context length 2048",
+        ),
         (["--model", str(model), "--input", str(good), "--top-p", "0"], "--top-p=0.0"),
     ]
     for argv, message in cases:

@@ -65,10 +65,10 @@ def inside(root: Path, *parts: str) -> Path:
     """``root / parts``, refused if it is a symbolic link or resolves outside ``root``."""
     path = root.joinpath(*parts)
     if path.is_symlink() or not path.resolve().is_relative_to(root):
-        what = "is a symbolic link" if path.is_symlink() else "is outside the output directory"
+        what = "is a symbolic link in" if path.is_symlink() else "is outside the output directory"
         raise ConfigurationError(
-            f"{str(path)!r} {what} {str(root)!r}, which holds only what generate writes; remove "
-            "the link or pick a new --output directory."
+            f"{str(path)!r} {what} {str(root)!r}, where generate writes only its own files; "
+            "remove the link or pick a new --output directory."
         )
     return path
 
