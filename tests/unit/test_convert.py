@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import warnings
 from typing import ClassVar
 
 import numpy as np
@@ -305,3 +306,20 @@ def test_weight_version_end_tags_a_generation_that_spans_a_keep_sync():
     assert [rows[i]["vllm", "weight_version_end"] for i in range(2)] == ["2", "2"]
     padded = convert.generated_padded(RequestBatch.from_requests(data), PAD)
     assert padded.get(("vllm", "weight_version_end")).tolist() == ["2", "2"]
+
+
+def test_outputs_are_writable_when_the_batch_arrived_read_only():
+    # Ray deserialises numpy arrays as read-only views of its buffer; the output tensors
+    # must not share that memory (a caller may write into them).
+    batch = RequestBatch.from_requests([request([5, 6], [[1, 2]], prompt_lp=True)])
+    for value in vars(batch).values():
+        if isinstance(value, np.ndarray):
+            value.flags.writeable = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        rows = convert.generated_rows(batch)
+        padded = convert.generated_padded(batch, PAD)
+    rows[0]["tokens"].response[0] = 99
+    rows[0]["log_probs"].response[0] = 0.5
+    padded["tokens"].response[0, 0] = 99
+    assert batch.token_ids.tolist() == [1, 2] and batch.logprobs[0] != 0.5

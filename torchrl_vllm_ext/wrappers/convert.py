@@ -89,17 +89,24 @@ def samples_of(batch: RequestBatch, with_prompt_logprobs: bool = True) -> Sample
     if with_prompt_logprobs and batch.has_prompt_logprobs.all():
         prompt_lp = batch.prompt_logprobs[idx]
     starts, ends = batch.versions_start, batch.versions_end
+    # NOTE: arrays Ray deserialised are read-only views of its buffer; the output's
+    # tensors share memory with these, and callers may write into them.
     return Samples(
         prompt_lengths=P,
         prompts=batch.prompt_token_ids[idx],
         prompt_logprobs=prompt_lp,
-        response_lengths=batch.sample_lengths,
-        responses=batch.token_ids,
-        response_logprobs=batch.logprobs,
+        response_lengths=_writable(batch.sample_lengths),
+        responses=_writable(batch.token_ids),
+        response_logprobs=_writable(batch.logprobs),
         weight_versions=[starts[r] for r in req.tolist()],
         weight_versions_end=[ends[r] for r in req.tolist()],
         finish_reasons=list(batch.finish_reasons),
     )
+
+
+def _writable(a: np.ndarray) -> np.ndarray:
+    """``a``, or a copy of it if it is read-only."""
+    return a if a.flags.writeable else a.copy()
 
 
 def _split(values: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, ...]:
