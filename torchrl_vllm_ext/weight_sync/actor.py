@@ -16,7 +16,7 @@ class WeightSyncActorExtension:
     """Storage staging: checksum a published slot while the engine keeps generating.
 
     Examples:
-        >>> ray.get(handle.extension_call.remote("stage_storage", (root, "3")))  # doctest: +SKIP
+        >>> ray.get(handle.extension_call.remote(ActorMethods.STAGE_STORAGE, (root, "3")))  # doctest: +SKIP
         '3'
     """
 
