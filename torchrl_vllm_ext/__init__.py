@@ -30,6 +30,7 @@ _EXPORTS = {
             "ConfigurationError",
             "GenerationTimeoutError",
             "InsufficientResourcesError",
+            "InvalidInputTypeError",
             "InvalidRequestError",
             "NoHealthyReplicaError",
             "ReplicaDeadError",

@@ -16,6 +16,11 @@ class InvalidRequestError(TorchRLVLLMError, ValueError):
     """A request was rejected before it reached an engine; nothing was enqueued."""
 
 
+class InvalidInputTypeError(InvalidRequestError, TypeError):
+    """An input of the wrong type (e.g. not a ``History``); catchable as ``TypeError``, as
+    TorchRL's wrappers raise it."""
+
+
 class ConfigurationError(TorchRLVLLMError, ValueError):
     """An argument of a constructor or launch call is invalid."""
 

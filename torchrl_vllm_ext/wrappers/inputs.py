@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from torchrl_vllm_ext.errors import InvalidRequestError
+from torchrl_vllm_ext.errors import InvalidInputTypeError, InvalidRequestError
 
 NestedKey = str | tuple[str, ...]
 
@@ -169,7 +169,7 @@ def read_texts(td: TensorDictBase, key: NestedKey) -> list[str]:
     texts = [texts] if isinstance(texts, str) else list(flatten_rows(texts))
     for i, t in enumerate(texts):
         if not isinstance(t, str):
-            raise InvalidRequestError(
+            raise InvalidInputTypeError(
                 f"{key_str(key)} row {i} is a {type(t).__name__}, not a str; text mode needs strings."
             )
     return texts
@@ -188,7 +188,7 @@ def read_histories(rows: Sequence[TensorDictBase], key: NestedKey) -> list[Any]:
                 "there: ChatHistory(prompt=History.from_chats([[{'role': 'user', 'content': ...}]]))."
             )
         if not isinstance(history, History):
-            raise InvalidRequestError(
+            raise InvalidInputTypeError(
                 f"{key_str(key)} is a {type(history).__name__}, not a torchrl.data.llm.History; "
                 "build it with History.from_chats([[{'role': 'user', 'content': ...}], ...])."
             )

@@ -46,6 +46,8 @@ class PolicyOptions:
     """A Hugging Face tokenizer; required by text and history modes."""
     pad_token_id: int | None = None
     """Pad id of padded outputs and inputs (default: the tokenizer's, else its EOS)."""
+    return_log_probs: bool = True
+    """Write ``log_probs`` (TorchRL's ``return_log_probs``); scoring needs it True."""
     return_prompt_log_probs: bool = False
     """Also compute prompt log-probs while generating."""
     attention_mask_key: NestedKey = ("masks", "all_attention_mask")
@@ -92,6 +94,11 @@ class PolicyOptions:
             raise ConfigurationError(
                 "sampling_params['n'] is set by num_samples; pass num_samples=G instead."
             )
+        if not self.return_log_probs and not self.generate:
+            raise ConfigurationError(
+                "return_log_probs=False with generate=False: scoring returns log-probs and "
+                "nothing else; use return_log_probs=True (as TorchRL's wrappers require)."
+            )
         if self.pad_token_id is None:
             self.pad_token_id = default_pad_id(self.tokenizer)
         if self.pad_output and self.pad_token_id is None:
@@ -119,7 +126,9 @@ class PolicyOptions:
     @property
     def output_keys(self) -> list:
         """The top-level keys a call writes (TorchRL's order)."""
-        out = [self.masks_key, self.tokens_key, self.log_probs_key]
+        out = [self.masks_key, self.tokens_key]
+        if self.return_log_probs:
+            out.append(self.log_probs_key)
         if self.input_mode != "tokens":
             out.insert(0, self.text_key)
         if self.input_mode == "history":

@@ -23,7 +23,7 @@ from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
 from torchrl_vllm_ext.messages import RequestBatch
 from torchrl_vllm_ext.wrappers import convert, inputs, scoring
 from torchrl_vllm_ext.wrappers.options import SCORE_PARAMS, PolicyOptions
-from torchrl_vllm_ext.wrappers.text import add_text
+from torchrl_vllm_ext.wrappers.text import add_scored_text, add_text
 
 
 class _Call(NamedTuple):
@@ -107,7 +107,6 @@ class VLLMPolicy(TensorDictModuleBase):
         for name in names:
             setattr(self, name, getattr(self.options, name))
         self.sampling_params = self.options.engine_sampling()
-        self.return_log_probs = True
         self.layout = None if self.pad_output else torch.strided
         self.keys = self.options.keys
         self.in_keys = [self.options.input_key]
@@ -116,6 +115,23 @@ class VLLMPolicy(TensorDictModuleBase):
         self._collector = None
 
     # ------------------------------------------------------------------ TorchRL hooks
+    # What the output holds, derived from the mode as in TorchRL's wrappers.
+    @property
+    def return_text(self) -> bool:
+        return self.input_mode != "tokens"
+
+    @property
+    def return_history(self) -> bool:
+        return self.input_mode == "history"
+
+    @property
+    def return_tokens(self) -> bool:
+        return True
+
+    @property
+    def return_masks(self) -> bool:
+        return True
+
     def get_new_version(self, **kwargs) -> VLLMPolicy:
         """A policy on the same service with some options changed.
 
@@ -123,9 +139,11 @@ class VLLMPolicy(TensorDictModuleBase):
         TorchRL-only arguments it passes (``return_log_probs``, ``input_key``) are checked
         and dropped.
         """
-        if not kwargs.pop("return_log_probs", True):
-            raise ConfigurationError("VLLMPolicy always returns log-probs.")
         input_key = kwargs.pop("input_key", None)
+        for name, value in list(kwargs.items()):
+            # NOTE: RetrieveKL("from_collector") passes log_probs_key as a 1-tuple.
+            if name.endswith("_key") and isinstance(value, tuple) and len(value) == 1:
+                kwargs[name] = value[0]
         if not kwargs.get("generate", self.generate):
             kwargs.setdefault("num_samples", None)
         policy = VLLMPolicy(self.service, self.options.replace(**kwargs))
@@ -238,10 +256,23 @@ class VLLMPolicy(TensorDictModuleBase):
             if read.texts is not None:
                 eos = self.tokenizer.eos_token if read.histories is not None else None
                 add_text(out, batch, read.texts, read.histories, self.num_samples or 1, eos, keys)
+            if not self.return_log_probs:
+                out = _without(out, keys.log_probs)
+        if not self.generate and read.texts is not None:
+            add_scored_text(out, read.texts, read.histories, keys)
         shape = td.batch_size
         if self.num_samples is not None:
             return _shaped(out, torch.Size([*shape, self.num_samples]))
         return _merge(td, out, self.out_keys)
+
+
+def _without(out, key: str):
+    """The output rows (or dense output) without ``key``."""
+    if isinstance(out, list):
+        for row in out:
+            del row[key]
+        return out
+    return out.exclude(key)
 
 
 def _merge(td: TensorDictBase, out, out_keys: list) -> TensorDictBase:

@@ -7,10 +7,16 @@ re-tokenisation here; a chat reply is that text without its EOS token.
 
 from __future__ import annotations
 
-from tensordict import NonTensorData, TensorDict, lazy_stack
+from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 
 from torchrl_vllm_ext.messages import RequestBatch
-from torchrl_vllm_ext.wrappers.convert import OutputKeys, strings
+from torchrl_vllm_ext.wrappers.convert import OutputKeys
+
+
+def texts(values: list[str]) -> NonTensorStack:
+    """One string per batch element; reads back as a list even for a batch of one
+    (a shared ``NonTensorData`` would read back as one ``str``)."""
+    return NonTensorStack.from_list(list(values))
 
 
 def add_text(
@@ -51,9 +57,9 @@ def add_text(
     out.set(
         keys.text,
         Text(
-            prompt=strings(prompts),
-            response=strings(responses),
-            full=strings([p + r for p, r in zip(prompts, responses, strict=True)]),
+            prompt=texts(prompts),
+            response=texts(responses),
+            full=texts([p + r for p, r in zip(prompts, responses, strict=True)]),
             batch_size=out.batch_size,
         ),
     )
@@ -62,3 +68,24 @@ def add_text(
             keys.history,
             lazy_stack([ChatHistory(prompt=p, response=r, full=f) for p, r, f in chats]),
         )
+
+
+def add_scored_text(
+    out: list[TensorDict] | TensorDict,
+    full_texts: list[str],
+    histories: list | None,
+    keys: OutputKeys,
+) -> None:
+    """Scoring keeps what it scored, as TorchRL's wrappers: ``text.full`` (the chat-templated
+    string in history mode) and ``history.full``, in place."""
+    from torchrl.modules.llm.policies import ChatHistory, Text
+
+    if isinstance(out, list):
+        for i, row in enumerate(out):
+            row.set(keys.text, Text(full=NonTensorData(full_texts[i])))
+            if histories is not None:
+                row.set(keys.history, ChatHistory(full=histories[i]))
+        return
+    out.set(keys.text, Text(full=texts(full_texts), batch_size=out.batch_size))
+    if histories is not None:
+        out.set(keys.history, lazy_stack([ChatHistory(full=h) for h in histories]))
