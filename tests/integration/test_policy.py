@@ -280,3 +280,54 @@ def test_same_keys_and_shapes_as_torchrl_vllm_wrapper(service, inproc_llm, token
     resp_mask = rows(ours, ("masks", "all_assistant_mask"))
     for a, b, m in zip(ours_lp, theirs_lp, resp_mask, strict=True):
         torch.testing.assert_close(a[m], b[m], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("pad_output", [False, True])
+def test_retrieve_log_prob_scores_assistant_turns_like_transformers(
+    service, hf_model, tokenizer, pad_output
+):
+    # TorchRL's own transform, assistant_only=True, on chat histories with assistant turns
+    # (what a ChatEnv rollout carries under ("history", "full")).
+    from torchrl.data.llm import History
+    from torchrl.envs.llm import RetrieveLogProb
+    from torchrl.modules.llm.policies import ChatHistory
+
+    chats = [
+        [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hi there"},
+        ],
+        [
+            {"role": "system", "content": "count"},
+            {"role": "user", "content": "one two"},
+            {"role": "assistant", "content": "three four"},
+            {"role": "user", "content": "five"},
+            {"role": "assistant", "content": "six"},
+        ],
+    ]
+    with set_list_to_stack(True):
+        td = lazy_stack(
+            [TensorDict({"history": ChatHistory(full=History.from_chats([c])[0])}) for c in chats]
+        )
+    ref = VLLMPolicy(
+        service, input_mode="history", generate=False, tokenizer=tokenizer, pad_output=pad_output
+    )
+    out = RetrieveLogProb(ref, assistant_only=True)(td)
+    got = out.get(("log_probs", "full"), as_list=True)
+    for i, chat in enumerate(chats):
+        history = History.from_chats([chat])[0]
+        enc = history.apply_chat_template(
+            tokenizer=tokenizer,
+            add_generation_prompt=False,
+            tokenize=True,
+            padding=False,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+        ids, mask = enc["input_ids"].tolist(), enc["assistant_masks"].bool()
+        assert int(mask.sum()) > 0
+        expected = torch.cat([torch.zeros(1), hf_token_logprobs(hf_model, ids)])
+        expected = expected.masked_fill(~mask, 0.0)
+        lp = got[i][-len(ids) :] if pad_output else got[i]  # padded rows are left-padded
+        assert lp.shape == expected.shape
+        assert (lp - expected).abs().max().item() < 1e-4

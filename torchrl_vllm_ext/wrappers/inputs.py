@@ -220,6 +220,9 @@ class PolicyInput(NamedTuple):
     """The text the ids came from (chat-templated in history mode); None in tokens mode."""
     histories: list[Any] | None
     """The ``History`` of each element in history mode, else None."""
+    assistant_masks: list[torch.Tensor] | None = None
+    """Scoring a history: per element, bool True at the tokens of assistant turns (the
+    chat template's generation blocks, as TorchRL computes them); else None."""
 
 
 def read_input(
@@ -240,12 +243,26 @@ def read_input(
         texts = read_texts(td, key)
         return PolicyInput(tokenize(tokenizer, texts), texts, None)
     histories = read_histories(rows_of(td), key)
-    texts = [
-        h.apply_chat_template(
-            tokenizer=tokenizer,
-            add_generation_prompt=add_generation_prompt,
-            **(chat_template_kwargs or {}),
-        )
-        for h in histories
-    ]
-    return PolicyInput(tokenize(tokenizer, texts, add_special_tokens=False), texts, histories)
+    template = {"tokenizer": tokenizer, "add_generation_prompt": add_generation_prompt}
+    template.update(chat_template_kwargs or {})
+    texts = [h.apply_chat_template(**template) for h in histories]
+    ids = tokenize(tokenizer, texts, add_special_tokens=False)
+    masks = None
+    if not add_generation_prompt:  # scoring: which tokens the assistant wrote
+        masks = []
+        for h, expect in zip(histories, ids, strict=True):
+            enc = h.apply_chat_template(
+                **template,
+                tokenize=True,
+                padding=False,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+            )
+            if enc["input_ids"].tolist() != expect.tolist():
+                raise InvalidRequestError(
+                    f"{key_str(key)}: the chat template tokenises differently from its rendered "
+                    "text, so the assistant mask would not align; check the tokenizer's chat "
+                    "template (chat_template_kwargs)."
+                )
+            masks.append(enc["assistant_masks"].reshape(-1).bool())
+    return PolicyInput(ids, texts, histories, masks)

@@ -246,6 +246,7 @@ class VLLMPolicy(TensorDictModuleBase):
                 pad_output=self.pad_output,
                 pad_token_id=self.pad_token_id,
                 tokens_input=self.input_mode == "tokens",
+                assistant_masks=read.assistant_masks,
             )
         else:
             with_prompt_lp = self.return_prompt_log_probs

@@ -146,11 +146,13 @@ def scored_output(
     pad_output: bool,
     pad_token_id: int | None,
     tokens_input: bool,
+    assistant_masks: list[torch.Tensor] | None = None,
 ):
     """The scoring output for input ``td`` whose sequences ``seqs`` were scored as ``batch``.
 
     Reads from ``td`` what splits the output: the padded input and its mask (to scatter
     back into), ``tokens.prompt`` (where the response starts) and an assistant mask.
+    ``assistant_masks`` (scored histories: one per sequence) replaces the latter.
     """
     prompt_key, asst_key = (keys.tokens, _PROMPT), (keys.masks, _ASSISTANT)
     if pad_output:
@@ -166,7 +168,9 @@ def scored_output(
         prompt = dense(td, prompt_key)
         width = prompt.shape[-1] if prompt is not None else None
         assistant = dense(td, asst_key)
-        if assistant is not None and assistant.numel() == full.numel():
+        if assistant_masks is not None:  # the sequences were padded here, on the left
+            assistant = torch.from_numpy(left_pad([m.numpy() for m in assistant_masks], 0, bool))
+        elif assistant is not None and assistant.numel() == full.numel():
             assistant = assistant.reshape(full.shape).bool()
         else:
             assistant = None
@@ -174,8 +178,8 @@ def scored_output(
     lengths = None
     if prompt_key in td.keys(True):
         lengths = lengths_of(inputs.read_tokens(td, prompt_key, None, None))
-    asst = None
-    if asst_key in td.keys(True):
+    asst = assistant_masks
+    if asst is None and asst_key in td.keys(True):
         asst = list(inputs.flatten_rows(td.get(asst_key, as_list=True)))
         if len(asst) != len(seqs) or any(len(a) != len(p) for a, p in zip(asst, seqs, strict=True)):
             asst = None  # a mask of a padded input does not align with the scored rows
