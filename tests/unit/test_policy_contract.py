@@ -128,3 +128,55 @@ def test_get_new_version_takes_retrieve_kl_one_tuple_keys():
     )
     assert scorer.log_probs_key == "ref_log_probs" and scorer.num_samples is None
     assert not scorer.generate
+
+
+def test_generate_kwargs_take_torchrls_names():
+    policy = VLLMPolicy(
+        fake_service(),
+        generate_kwargs={"max_new_tokens": 7, "num_return_sequences": 3, "temperature": 0.5},
+    )
+    sp = policy.sampling_params
+    assert (sp.max_tokens, sp.n, sp.temperature) == (7, 3, 0.5)
+    assert policy.num_samples == 3
+    out = policy(TensorDict({("tokens", "prompt"): torch.tensor([[5, 6]])}, batch_size=[1]))
+    assert out.batch_size == (1, 3)
+    assert VLLMPolicy(fake_service(), generate_kwargs={"n": 2}).num_samples == 2
+    greedy = VLLMPolicy(fake_service(), generate_kwargs={"do_sample": False})
+    assert greedy.sampling_params.temperature == 0.0
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"generate_kwargs": {"temperature": -0.1}}, "temperature"),
+        ({"sampling_params": {"top_p": 2.0}}, "top_p"),
+        ({"generate_kwargs": {"max_tokens": 3, "max_new_tokens": 4}}, "both"),
+        ({"generate_kwargs": {"do_sample": False, "temperature": 0.7}}, "greedy"),
+        ({"generate_kwargs": {"n": 2}, "num_samples": 3}, "differs"),
+        ({"generate_kwargs": {"max_tokens": 3}, "sampling_params": {"max_tokens": 4}}, "both"),
+        ({"generate_kwargs": {"no_such_field": 1}}, "no_such_field"),
+    ],
+)
+def test_bad_sampling_values_fail_at_construction(options, match):
+    with pytest.raises(ConfigurationError, match=match):
+        VLLMPolicy(fake_service(), **options)
+
+
+def test_flat_input_keys(tokenizer):
+    from torchrl.data.llm import History
+
+    ids = TensorDict({"input_ids": torch.tensor([[5, 6, 7]])}, batch_size=[1])
+    out = VLLMPolicy(fake_service(), input_key="input_ids", sampling_params={"max_tokens": 2})(ids)
+    assert out.get(("tokens", "prompt"), as_list=True)[0].tolist() == [5, 6, 7]
+
+    texts = TensorDict({"text": ["the cat", "one"]}, batch_size=[2])
+    policy = VLLMPolicy(fake_service(), input_mode="text", input_key="text", tokenizer=tokenizer)
+    out = policy(texts)
+    assert policy.in_keys == ["text"] and out.get(("text", "prompt")).tolist() == ["the cat", "one"]
+
+    with set_list_to_stack(True):
+        chats = lazy_stack([TensorDict({"history": History.from_chats([c])[0]}) for c in CHATS])
+    out = VLLMPolicy(
+        fake_service(), input_mode="history", input_key="history", tokenizer=tokenizer
+    )(chats)
+    assert [out[i]["history"].prompt.content[-1] for i in range(2)] == ["hello", "one two"]

@@ -20,6 +20,12 @@ SCORE_PARAMS = {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False}
 """vLLM sampling parameters of a scoring call: prompt log-probs, one ignored token."""
 
 NestedKey = str | tuple[str, ...]
+HF_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "num_return_sequences": "n",
+    "stop_sequences": "stop",
+}
+"""Hugging Face ``generate`` names in ``generate_kwargs`` -> vLLM ``SamplingParams`` names."""
 
 
 @dataclass
@@ -42,6 +48,14 @@ class PolicyOptions:
     sampling_params: Mapping[str, Any] | None = None
     """vLLM ``SamplingParams`` fields (``max_tokens``, ``temperature``, ...); a call can
     override them: ``policy(td, temperature=0)``."""
+    generate_kwargs: Mapping[str, Any] | None = None
+    """TorchRL's ``vLLMWrapper`` name for the same: Hugging Face names are translated
+    (``max_new_tokens``, ``num_return_sequences`` or ``n`` -> ``num_samples``,
+    ``do_sample=False`` -> greedy, ``stop_sequences``); other keys are vLLM fields."""
+    input_key: NestedKey | None = None
+    """Where the input is read (default ``(mode, "prompt")``, or ``(mode, "full")`` when
+    scoring); a flat key such as ``"text"`` (strings), ``"history"`` (a ``History``) or
+    ``"input_ids"`` works as in TorchRL's wrapper."""
     tokenizer: Any = None
     """A Hugging Face tokenizer; required by text and history modes."""
     pad_token_id: int | None = None
@@ -94,6 +108,8 @@ class PolicyOptions:
             raise ConfigurationError(
                 "sampling_params['n'] is set by num_samples; pass num_samples=G instead."
             )
+        if self.generate_kwargs:
+            self._take_generate_kwargs(dict(self.generate_kwargs))
         if not self.return_log_probs and not self.generate:
             raise ConfigurationError(
                 "return_log_probs=False with generate=False: scoring returns log-probs and "
@@ -106,6 +122,47 @@ class PolicyOptions:
                 "pad_output=True needs a pad id; pass pad_token_id= or a tokenizer."
             )
         self.chat_template_kwargs = dict(self.chat_template_kwargs or {})
+        if self.generate:  # bad sampling values fail here, not at the first call
+            from torchrl_vllm_ext.engine.validation import make_sampling_params
+            from torchrl_vllm_ext.errors import InvalidRequestError
+
+            try:
+                make_sampling_params(self.engine_sampling())
+            except InvalidRequestError as e:
+                raise ConfigurationError(str(e)) from e
+
+    def _take_generate_kwargs(self, kwargs: dict[str, Any]) -> None:
+        """Fold TorchRL's ``generate_kwargs`` into ``sampling_params`` / ``num_samples``."""
+        for hf_name, name in HF_NAMES.items():
+            if hf_name in kwargs:
+                if name in kwargs:
+                    raise ConfigurationError(
+                        f"generate_kwargs gives both {hf_name!r} and {name!r}; pass one."
+                    )
+                kwargs[name] = kwargs.pop(hf_name)
+        n = kwargs.pop("n", None)
+        if n is not None:
+            if self.num_samples not in (None, n):
+                raise ConfigurationError(
+                    f"generate_kwargs n={n!r} differs from num_samples={self.num_samples!r}."
+                )
+            if not isinstance(n, int) or n < 1:
+                raise ConfigurationError(f"generate_kwargs n={n!r} must be an int >= 1.")
+            self.num_samples = n
+        if kwargs.pop("do_sample", True) is False:
+            if kwargs.get("temperature", 0.0) != 0.0:
+                raise ConfigurationError(
+                    f"do_sample=False is greedy decoding but temperature={kwargs['temperature']!r}; "
+                    "drop one of them."
+                )
+            kwargs["temperature"] = 0.0
+        both = sorted(set(kwargs) & set(self.sampling_params or {}))
+        if both:
+            raise ConfigurationError(
+                f"{both} given in both sampling_params and generate_kwargs; pass each once."
+            )
+        self.sampling_params = {**(self.sampling_params or {}), **kwargs}
+        self.generate_kwargs = None  # folded in: a copy of these options must not redo it
 
     def replace(self, **changes) -> PolicyOptions:
         """A copy with ``changes`` (checked again)."""
@@ -118,8 +175,10 @@ class PolicyOptions:
         )
 
     @property
-    def input_key(self) -> tuple[str, str]:
+    def read_key(self) -> NestedKey:
         """Where the prompts (or, scoring, the whole sequences) are read."""
+        if self.input_key is not None:
+            return self.input_key
         top = {"tokens": self.tokens_key, "text": self.text_key, "history": self.history_key}
         return (top[self.input_mode], "prompt" if self.generate else "full")
 

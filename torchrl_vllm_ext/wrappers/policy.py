@@ -104,15 +104,24 @@ class VLLMPolicy(TensorDictModuleBase):
             self.options = options.replace(**kwargs) if kwargs else options
         self.service = service
         # TorchRL's transforms and collectors read these as attributes of the policy.
-        for name in names:
+        for name in names - {"sampling_params"}:  # sampling_params: see the property
             setattr(self, name, getattr(self.options, name))
-        self.sampling_params = self.options.engine_sampling()
+        self._sampling = self.options.engine_sampling()
         self.layout = None if self.pad_output else torch.strided
         self.keys = self.options.keys
-        self.in_keys = [self.options.input_key]
+        self.in_keys = [self.options.read_key]
+        self.input_key = self.in_keys[0]
         self.out_keys = self.options.output_keys
         self._max_token_id: int | None = None
         self._collector = None
+
+    @property
+    def sampling_params(self):
+        """The ``vllm.SamplingParams`` of a generation call (as TorchRL's wrapper exposes),
+        before per-call overrides and per-element seeds."""
+        from torchrl_vllm_ext.engine.validation import make_sampling_params
+
+        return make_sampling_params(self._sampling)
 
     # ------------------------------------------------------------------ TorchRL hooks
     # What the output holds, derived from the mode as in TorchRL's wrappers.
@@ -139,7 +148,6 @@ class VLLMPolicy(TensorDictModuleBase):
         TorchRL-only arguments it passes (``return_log_probs``, ``input_key``) are checked
         and dropped.
         """
-        input_key = kwargs.pop("input_key", None)
         for name, value in list(kwargs.items()):
             # NOTE: RetrieveKL("from_collector") passes log_probs_key as a 1-tuple.
             if name.endswith("_key") and isinstance(value, tuple) and len(value) == 1:
@@ -147,11 +155,6 @@ class VLLMPolicy(TensorDictModuleBase):
         if not kwargs.get("generate", self.generate):
             kwargs.setdefault("num_samples", None)
         policy = VLLMPolicy(self.service, self.options.replace(**kwargs))
-        if input_key is not None and policy.in_keys[0] != tuple(input_key):
-            raise ConfigurationError(
-                f"input_key={input_key!r} differs from this policy's {policy.in_keys[0]!r}; "
-                "change input_mode or the *_key arguments instead."
-            )
         return policy
 
     def register_collector(self, collector) -> None:
@@ -216,7 +219,7 @@ class VLLMPolicy(TensorDictModuleBase):
             raise InvalidRequestError(
                 "n cannot be overridden per call; build the policy with num_samples=G."
             )
-        params = {**self.sampling_params, **overrides}
+        params = {**self._sampling, **overrides}
         seeds = td.get(self.seed_key, None) if self.seed_key is not None else None
         if seeds is None:
             return params
