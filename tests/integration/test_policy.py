@@ -331,3 +331,33 @@ def test_retrieve_log_prob_scores_assistant_turns_like_transformers(
         lp = got[i][-len(ids) :] if pad_output else got[i]  # padded rows are left-padded
         assert lp.shape == expected.shape
         assert (lp - expected).abs().max().item() < 1e-4
+
+
+def test_retrieve_log_prob_on_a_chat_env_rollout(service, hf_model, tokenizer):
+    # The check: a ChatEnv step with a generating VLLMPolicy, then TorchRL's
+    # RetrieveLogProb with a scoring VLLMPolicy as the reference model.
+    from tensordict import TensorDict
+    from torchrl.envs.llm import ChatEnv, RetrieveLogProb
+
+    env = ChatEnv(batch_size=(2,), tokenizer=tokenizer, system_prompt="count")
+    actor = VLLMPolicy(service, input_mode="history", tokenizer=tokenizer, sampling_params=GREEDY)
+    ref = VLLMPolicy(service, input_mode="history", generate=False, tokenizer=tokenizer)
+    td = env.reset(TensorDict({"query": ["hello", "one two"]}, batch_size=(2,)))
+    td = env.step(actor(td))
+    td = RetrieveLogProb(ref, assistant_only=True)(td)
+    got = td["next"].get(("log_probs", "full"), as_list=True)
+    for i in range(2):
+        enc = td[i]["history"].full.apply_chat_template(
+            tokenizer=tokenizer,
+            add_generation_prompt=False,
+            tokenize=True,
+            padding=False,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+        ids, mask = enc["input_ids"].tolist(), enc["assistant_masks"].bool()
+        assert int(mask.sum()) > 0, "the reply is scored"
+        expected = torch.cat([torch.zeros(1), hf_token_logprobs(hf_model, ids)])
+        expected = expected.masked_fill(~mask, 0.0)
+        assert got[i].shape == expected.shape
+        assert (got[i] - expected).abs().max().item() < 1e-4
