@@ -282,6 +282,23 @@ def test_same_keys_and_shapes_as_torchrl_vllm_wrapper(service, inproc_llm, token
         torch.testing.assert_close(a[m], b[m], atol=1e-4, rtol=0)
 
 
+def assistant_logprobs(model, tokenizer, history) -> torch.Tensor:
+    """transformers' log-probs of ``history``'s chat-templated tokens, 0.0 outside the
+    assistant turns (what RetrieveLogProb(assistant_only=True) returns)."""
+    enc = history.apply_chat_template(
+        tokenizer=tokenizer,
+        add_generation_prompt=False,
+        tokenize=True,
+        padding=False,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    ids, mask = enc["input_ids"].tolist(), enc["assistant_masks"].bool()
+    assert int(mask.sum()) > 0, "an assistant turn is scored"
+    full = torch.cat([torch.zeros(1), hf_token_logprobs(model, ids)])
+    return full.masked_fill(~mask, 0.0)
+
+
 @pytest.mark.parametrize("pad_output", [False, True])
 def test_retrieve_log_prob_scores_assistant_turns_like_transformers(
     service, hf_model, tokenizer, pad_output
@@ -315,20 +332,8 @@ def test_retrieve_log_prob_scores_assistant_turns_like_transformers(
     out = RetrieveLogProb(ref, assistant_only=True)(td)
     got = out.get(("log_probs", "full"), as_list=True)
     for i, chat in enumerate(chats):
-        history = History.from_chats([chat])[0]
-        enc = history.apply_chat_template(
-            tokenizer=tokenizer,
-            add_generation_prompt=False,
-            tokenize=True,
-            padding=False,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-        )
-        ids, mask = enc["input_ids"].tolist(), enc["assistant_masks"].bool()
-        assert int(mask.sum()) > 0
-        expected = torch.cat([torch.zeros(1), hf_token_logprobs(hf_model, ids)])
-        expected = expected.masked_fill(~mask, 0.0)
-        lp = got[i][-len(ids) :] if pad_output else got[i]  # padded rows are left-padded
+        expected = assistant_logprobs(hf_model, tokenizer, History.from_chats([chat])[0])
+        lp = got[i][-len(expected) :] if pad_output else got[i]  # padded rows: left-padded
         assert lp.shape == expected.shape
         assert (lp - expected).abs().max().item() < 1e-4
 
@@ -347,17 +352,6 @@ def test_retrieve_log_prob_on_a_chat_env_rollout(service, hf_model, tokenizer):
     td = RetrieveLogProb(ref, assistant_only=True)(td)
     got = td["next"].get(("log_probs", "full"), as_list=True)
     for i in range(2):
-        enc = td[i]["history"].full.apply_chat_template(
-            tokenizer=tokenizer,
-            add_generation_prompt=False,
-            tokenize=True,
-            padding=False,
-            return_dict=True,
-            return_assistant_tokens_mask=True,
-        )
-        ids, mask = enc["input_ids"].tolist(), enc["assistant_masks"].bool()
-        assert int(mask.sum()) > 0, "the reply is scored"
-        expected = torch.cat([torch.zeros(1), hf_token_logprobs(hf_model, ids)])
-        expected = expected.masked_fill(~mask, 0.0)
+        expected = assistant_logprobs(hf_model, tokenizer, td[i]["history"].full)
         assert got[i].shape == expected.shape
         assert (got[i] - expected).abs().max().item() < 1e-4

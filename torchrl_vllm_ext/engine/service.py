@@ -104,7 +104,7 @@ class VLLMService:
         self._ids = itertools.count()
         self._batches = itertools.count()
         self._router_state = RouterState()
-        self._routing = validate_strategies(config.routing)
+        self._routing = config.routing  # checked by ServiceConfig
         self._weight_version = str(config.weight_version)
         self._provider: WeightsProvider | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -579,9 +579,6 @@ class VLLMService:
     @property
     def weight_version(self) -> str:
         """The version restarted replicas are brought to."""
-        provider = self._provider
-        if provider is not None and provider.version is not None:
-            return str(provider.version)
         return self._weight_version
 
     def stats(self) -> list[ReplicaStats]:
@@ -623,24 +620,22 @@ class VLLMService:
         Weight-sync schemes run their pushes here, so a push and a replica restart share
         one event loop and one lock.
         """
-        if self._closed:
-            coro.close()
-        self._check_open()
-        return self._loop.run(coro)
+        return self._loop.run(self._open(coro))
 
     async def arun(self, coro: Coroutine[Any, Any, T]) -> T:
         """Await ``coro`` on the service's event loop (from any event loop)."""
-        if self._closed:
-            coro.close()
-        self._check_open()
-        return await self._loop.arun(coro)
+        return await self._loop.arun(self._open(coro))
 
     def submit(self, coro: Coroutine[Any, Any, T]):
         """Schedule ``coro`` on the service's event loop; a ``concurrent.futures.Future``."""
+        return asyncio.run_coroutine_threadsafe(self._open(coro), self._loop.loop)
+
+    def _open(self, coro: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
+        """``coro``, or :class:`ServiceClosedError` (closing ``coro``) after shutdown."""
         if self._closed:
             coro.close()
         self._check_open()
-        return asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
+        return coro
 
     def _check_open(self) -> None:
         if self._closed:

@@ -32,7 +32,12 @@ from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.packing import DEFAULT_BUCKET_BYTES
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
 from torchrl_vllm_ext.weight_sync.transports import make_transport
-from torchrl_vllm_ext.weight_sync.transports.base import Outcomes, Replicas, fan_out
+from torchrl_vllm_ext.weight_sync.transports.base import (
+    Outcomes,
+    Replicas,
+    fan_out,
+    first_error,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -242,8 +247,7 @@ class WeightSyncScheme:
                 f"every replica died while loading version {version}; nothing serves it. "
                 "The service restarts them at the previous version; push again."
             )
-        rid, error = next(iter(loads.errors.items()))
-        cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
+        rid, _, cause = first_error(loads)
         serving = (
             f"replicas {loaded} loaded it and serve it; the others keep their previous weights"
             if loaded

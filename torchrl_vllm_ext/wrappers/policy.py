@@ -104,7 +104,7 @@ class VLLMPolicy(TensorDictModuleBase):
             self.options = options.replace(**kwargs) if kwargs else options
         self.service = service
         # TorchRL's transforms and collectors read these as attributes of the policy.
-        for name in names - {"sampling_params"}:  # sampling_params: see the property
+        for name in names - {"sampling_params", "input_key"}:  # both: set below
             setattr(self, name, getattr(self.options, name))
         self._sampling = self.options.engine_sampling()
         self.layout = None if self.pad_output else torch.strided
@@ -251,6 +251,8 @@ class VLLMPolicy(TensorDictModuleBase):
                 tokens_input=self.input_mode == "tokens",
                 assistant_masks=read.assistant_masks,
             )
+            if read.texts is not None:
+                add_scored_text(out, read.texts, read.histories, keys)
         else:
             with_prompt_lp = self.return_prompt_log_probs
             if self.pad_output:
@@ -262,8 +264,6 @@ class VLLMPolicy(TensorDictModuleBase):
                 add_text(out, batch, read.texts, read.histories, self.num_samples or 1, eos, keys)
             if not self.return_log_probs:
                 out = _without(out, keys.log_probs)
-        if not self.generate and read.texts is not None:
-            add_scored_text(out, read.texts, read.histories, keys)
         shape = td.batch_size
         if self.num_samples is not None:
             return _shaped(out, torch.Size([*shape, self.num_samples]))

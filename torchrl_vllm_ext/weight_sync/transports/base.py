@@ -77,11 +77,17 @@ async def fan_out(replicas: Replicas, call: Callable[[Any], Any], what: str) -> 
     return out
 
 
+def first_error(outcomes: Outcomes) -> tuple[int, BaseException, BaseException]:
+    """The first failed replica: its id, the error, and the replica-side cause inside it."""
+    rid, error = next(iter(outcomes.errors.items()))
+    cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
+    return rid, error, cause
+
+
 def raise_errors(outcomes: Outcomes, what: str, version: str) -> None:
     """A :class:`WeightSyncError` naming the first failed replica, if any failed."""
     if outcomes.errors:
-        rid, error = next(iter(outcomes.errors.items()))
-        cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
+        rid, error, cause = first_error(outcomes)
         raise WeightSyncError(
             f"{what} of version {version} failed on replica {rid}: {cause}"
         ) from error
