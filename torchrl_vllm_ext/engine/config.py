@@ -82,6 +82,9 @@ class ServiceConfig:
     """Seconds before restart attempt k + 1, times k + 1."""
     ready_poll_interval: float = 0.2
     """Seconds between checks for a ready replica while none is."""
+    log_file: str | None = None
+    """File the replicas append their output to (vLLM's logs and warnings, engine
+    processes) instead of Ray forwarding it to the driver's terminal; None: forwarded."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra ``vllm.AsyncEngineArgs`` keyword arguments."""
 
@@ -108,6 +111,8 @@ class ServiceConfig:
         self.routing = validate_strategies(self.routing)
         self.weight_version = str(self.weight_version)
         self.engine_kwargs = dict(self.engine_kwargs)
+        if self.log_file is not None:
+            self.log_file = str(Path(self.log_file).absolute())
 
     @classmethod
     def from_kwargs(cls, model: str | Path, **kwargs: Any) -> ServiceConfig:

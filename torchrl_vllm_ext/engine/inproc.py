@@ -158,7 +158,9 @@ class InprocEngine(Engine):
 
     def _dead_error(self):
         cause = self._error if self._error is not None else "engine thread stopped"
-        return engine_dead_error(f"in-process vLLM engine is gone: {cause}")
+        error = engine_dead_error(f"in-process vLLM engine is gone: {cause}")
+        error.__cause__ = self._error  # the engine's own exception: the root cause
+        return error
 
     def _resolve(self, future: asyncio.Future, result=None, error: BaseException | None = None):
         """Complete ``future`` on the event loop (called from the engine thread)."""

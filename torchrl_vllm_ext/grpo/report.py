@@ -88,12 +88,21 @@ def plot_run(steps: list[dict], summary: dict, path: Path, *, window: int = 10) 
     top.set_ylabel("reward")
     top.set_title("GRPO on vLLM replicas: TokenCountEnv")
     top.legend(loc="lower right")
-    bottom_acc = [0.0] * len(steps)
+    # Step 0 pays the engines' warm-up (~10x a later step): it is drawn apart, as a
+    # note, so the later steps' phases keep a readable scale.
+    warm, later = steps[0], steps[1:] or steps[:1]
+    lx = [s["step"] for s in later]
+    bottom_acc = [0.0] * len(later)
     for phase in PHASES:
-        values = [s[f"{phase}_s"] for s in steps]
+        values = [s[f"{phase}_s"] for s in later]
         top_edge = [a + v for a, v in zip(bottom_acc, values, strict=True)]
-        bottom.fill_between(x, bottom_acc, top_edge, step="mid", alpha=0.6, label=phase)
+        bottom.fill_between(lx, bottom_acc, top_edge, step="mid", alpha=0.6, label=phase)
         bottom_acc = top_edge
+    bottom.set_ylim(0, 1.15 * max(bottom_acc) or 1.0)
+    warm_s = sum(warm[f"{p}_s"] for p in PHASES)
+    bottom.set_title(
+        f"step time; step 0 (warm-up, not drawn): {warm_s:.1f} s", fontsize="small", loc="left"
+    )
     bottom.set_ylabel("step time (s)")
     bottom.set_xlabel("GRPO step")
     bottom.legend(loc="upper right", ncol=4, fontsize="small")

@@ -108,7 +108,12 @@ def run_grpo(
     )
     restrict_vocabulary(model, env.task_token_ids)
     trainer = GRPOTrainer(
-        model, tokenizer, group_size=cfg.group_size, lr=cfg.lr, clip_epsilon=cfg.clip_epsilon
+        model,
+        tokenizer,
+        group_size=cfg.group_size,
+        lr=cfg.lr,
+        clip_epsilon=cfg.clip_epsilon,
+        entropy_coeff=cfg.entropy_coeff,
     )
     recorder = RolloutRecorder(
         out_dir / "rollouts",
@@ -124,6 +129,7 @@ def run_grpo(
             model_path,
             num_replicas=cfg.replicas,
             cpus_per_replica=cfg.cpus_per_replica,
+            log_file=cfg.log_file,
             **engine_kwargs(cfg, gpu=gpu),
         ) as service,
         WeightSyncScheme(service, transport=cfg.transport) as scheme,

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDictBase
 
+from torchrl_vllm_ext.wrappers.inputs import flatten_rows
+
 # Added to the logits of ids outside the task's alphabet: exp() of it is exactly 0 in
 # fp32/bf16, like vLLM's -inf mask, without the NaN that 0 * -inf brings to entropies.
 MASKED_LOGIT = -1e9
@@ -56,6 +58,16 @@ def group_advantage(reward: torch.Tensor, group_size: int, eps: float = 1e-6) ->
     return (centred / (groups.std(-1, keepdim=True) + eps)).reshape(reward.shape)
 
 
+def sample_entropy(batch: TensorDictBase) -> float:
+    """The policy's per-token entropy (nats), estimated by its samples' mean surprisal.
+
+    An entropy near 0 means the engine samples one answer: every sample of a group is
+    then the same, GRPO's group advantages are 0, and nothing more is learned there.
+    """
+    rows = flatten_rows(batch.get(("log_probs", "response"), as_list=True))
+    return -torch.cat([r.reshape(-1) for r in rows]).mean().item()
+
+
 class GRPOTrainer:
     """TorchRL's ``GRPOLoss`` over a transformers model, with Adam: ``step(batch)`` learns once.
 
@@ -71,6 +83,7 @@ class GRPOTrainer:
         lr: Adam learning rate.
         clip_epsilon: GRPOLoss clipping of the importance weight.
         max_grad_norm: gradient clipping.
+        entropy_coeff: weight of GRPOLoss's entropy bonus (0 turns it off).
 
     Examples:
         >>> trainer = GRPOTrainer(model, tokenizer, group_size=16)  # doctest: +SKIP
@@ -88,6 +101,7 @@ class GRPOTrainer:
         lr: float = 1e-3,
         clip_epsilon: float = 0.2,
         max_grad_norm: float = 1.0,
+        entropy_coeff: float = 0.0,
     ):
         from torchrl.modules.llm import TransformersWrapper
         from torchrl.objectives.llm import GRPOLoss
@@ -99,7 +113,11 @@ class GRPOTrainer:
             model, tokenizer=tokenizer, input_mode="tokens", generate=False, pad_output=False
         )
         self.loss = GRPOLoss(
-            actor, clip_epsilon=clip_epsilon, masking_strategy="sft", entropy_bonus=False
+            actor,
+            clip_epsilon=clip_epsilon,
+            masking_strategy="sft",
+            entropy_bonus=entropy_coeff > 0,
+            entropy_coeff=entropy_coeff,
         )
         self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
@@ -119,13 +137,17 @@ class GRPOTrainer:
         out = self.loss(data)
         scored = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        out.loss_objective.backward()
+        loss = out.loss_objective
+        if out.loss_entropy is not None:
+            loss = loss + out.loss_entropy
+        loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         done = time.perf_counter()
         return {
             "reward": reward.mean().item(),
             "loss": out.loss_objective.item(),
+            "entropy": sample_entropy(data),
             "ess": float(out.ESS),
             "kl_to_engine": float(out.kl_approx),
             "grad_norm": float(grad_norm),

@@ -26,7 +26,7 @@ BENCHMARKS = {
     "generate": ([], ["--rounds", "3", "--prompts", "32"]),
     "policy": ([], ["--rounds", "3", "--prompts", "32"]),
     "sync": ([], ["--hidden", "256", "--layers", "8", "--repeats", "3"]),
-    "collect": ([], ["--rounds", "2", "--repeats", "1"]),
+    "collect": ([], ["--rounds", "2", "--repeats", "1", "--overhead-rounds", "5"]),
     "faults": ([], ["--quick"]),
 }
 RATIO_WORDS = ("ratio", "_vs_", "speedup", "fraction", "share")

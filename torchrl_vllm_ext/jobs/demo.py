@@ -57,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
     from torchrl_vllm_ext.grpo.report import breakdown_table
     from torchrl_vllm_ext.grpo.run import run_grpo
     from torchrl_vllm_ext.jobs.flags import config_from_args
+    from torchrl_vllm_ext.jobs.logs import job_log_file
 
     cfg = config_from_args(GRPOConfig, args, FLAGS)
+    if not args.verbose:
+        cfg.log_file = job_log_file(cfg.output)
     result = run_grpo(cfg, progress=not args.no_progress)
     s = result["summary"]
     reached = (

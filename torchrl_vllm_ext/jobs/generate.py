@@ -99,6 +99,7 @@ def run(args, service=None) -> int:
     ``service`` on ``args.model`` is used instead of launching one; the caller owns it."""
     from torchrl_vllm_ext.jobs.generate_io import read_prompts
     from torchrl_vllm_ext.jobs.generate_store import Layout, OutputDir
+    from torchrl_vllm_ext.jobs.logs import job_log_file
 
     options = config_from_args(GenerateOptions, args, FLAGS)
     model = model_dir(args.model, "--model")
@@ -129,6 +130,7 @@ def run(args, service=None) -> int:
                 max_model_len=args.max_model_len or width + options.max_tokens,
                 enforce_eager=True,
                 seed=options.seed,
+                log_file=None if args.verbose else job_log_file(out.root),
             ) as svc:
                 tokens, seconds = generate_into(svc, out, prompts, tokenizer, options, args)
     except KeyboardInterrupt:

@@ -32,6 +32,7 @@ from torchrl.modules.llm.policies import LogProbs, Masks, Text, Tokens
 
 from torchrl_vllm_ext._files import fsync_path, write_json_atomic
 from torchrl_vllm_ext.errors import ConfigurationError
+from torchrl_vllm_ext.jobs.logs import LOG_FILE_NAME
 from torchrl_vllm_ext.wrappers.inputs import flatten_rows
 
 RUN, DATA, CHUNKS = "run.json", "data", "chunks"
@@ -195,7 +196,9 @@ class OutputDir:
 
 
 def _own(name: str) -> bool:  # written by generate at the top of the output directory
-    return name in (RUN, DATA, CHUNKS) or (name.startswith(f".{RUN}.") and name.endswith(".tmp"))
+    return name in (RUN, DATA, CHUNKS, LOG_FILE_NAME) or (
+        name.startswith(f".{RUN}.") and name.endswith(".tmp")
+    )
 
 
 def chunk_output(result, prompts, lo: int, hi: int, layout: Layout, tokenizer, pad: int):

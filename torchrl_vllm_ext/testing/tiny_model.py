@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 _MARKER = "tiny_model.json"
 _FORMAT_VERSION = 1  # bump when the recipe changes so cached models are rebuilt
+HEAD_DIM = 32  # attention head width of the default models
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -88,15 +89,17 @@ def _build_tokenizer(vocab_size: int):
     )
 
 
-def _spec(arch, tie_word_embeddings, dtype, seed, hidden_size, num_layers, vocab_size) -> dict:
+def _spec(
+    arch, tie_word_embeddings, dtype, seed, hidden_size, num_layers, vocab_size, head_dim
+) -> dict:
     if arch not in _ARCHS:
         raise ValueError(f"arch={arch!r} is not supported; use one of {sorted(_ARCHS)}.")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
-    if hidden_size % 32:
-        # vLLM-CPU attention supports head sizes 32, 64, ...; we use heads of 32.
-        raise ValueError(f"hidden_size={hidden_size} must be a multiple of 32.")
-    return {
+    if hidden_size % head_dim:
+        # vLLM-CPU attention supports head sizes 32, 64, ...; the default heads are 32 wide.
+        raise ValueError(f"hidden_size={hidden_size} must be a multiple of head_dim={head_dim}.")
+    spec = {
         "format": _FORMAT_VERSION,
         "arch": arch,
         "tie_word_embeddings": bool(tie_word_embeddings),
@@ -106,6 +109,9 @@ def _spec(arch, tie_word_embeddings, dtype, seed, hidden_size, num_layers, vocab
         "num_layers": int(num_layers),
         "vocab_size": int(vocab_size),
     }
+    if head_dim != HEAD_DIM:  # only then: the default models keep their cache keys
+        spec["head_dim"] = int(head_dim)
+    return spec
 
 
 def make_tiny_model(
@@ -118,6 +124,7 @@ def make_tiny_model(
     hidden_size: int = 128,
     num_layers: int = 2,
     vocab_size: int = 512,
+    head_dim: int = 32,
 ) -> Path:
     """Build (or reuse) a random-weight causal LM with a local tokenizer.
 
@@ -132,9 +139,11 @@ def make_tiny_model(
         tie_word_embeddings: share the input embedding and the LM head.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         seed: seed of the random weights.
-        hidden_size: model width (a multiple of 32: heads are 32 wide).
+        hidden_size: model width (a multiple of ``head_dim``).
         num_layers: number of decoder layers.
         vocab_size: target size of the BPE vocabulary.
+        head_dim: width of an attention head (vLLM-CPU serves 32, 64, ...; another width
+            makes a model it refuses, for tests of start-up errors).
 
     Returns:
         The model directory.
@@ -145,7 +154,9 @@ def make_tiny_model(
         >>> (path / "config.json").exists()
         True
     """
-    spec = _spec(arch, tie_word_embeddings, dtype, seed, hidden_size, num_layers, vocab_size)
+    spec = _spec(
+        arch, tie_word_embeddings, dtype, seed, hidden_size, num_layers, vocab_size, head_dim
+    )
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     target = Path(path) if path is not None else default_cache_dir() / f"{arch}-{key}"
     marker = target / _MARKER
@@ -178,7 +189,7 @@ def _write_model(out: Path, spec: dict) -> None:
     config_cls = getattr(transformers, _ARCHS[spec["arch"]][0])
     model_cls = getattr(transformers, _ARCHS[spec["arch"]][1])
     hidden = spec["hidden_size"]
-    heads = hidden // 32
+    heads = hidden // spec.get("head_dim", HEAD_DIM)
     config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden,

@@ -175,7 +175,7 @@ class WeightSyncScheme:
         async with self._lock:
             report = await self._push(weights, str(version))
         self.last_report = report
-        logger.info(
+        logger.debug(
             "pushed version %s via %s: %.1f MB in %.3fs (%.2f GB/s), max pause %.3fs",
             report.version,
             report.transport,
@@ -276,7 +276,7 @@ class WeightSyncScheme:
     def close(self) -> None:
         """Release the transport and stop bringing restarted replicas up to date."""
         if self.service.weights_provider is self:
-            logger.warning(
+            logger.info(
                 "closing the weight-sync scheme whose version %s is live: a replica restarted "
                 "from now on serves the checkpoint's weights until the next push",
                 self.version,
