@@ -18,7 +18,8 @@ task's alphabet only, a seed per row) served three ways, back to back in alterna
 order: ``engine`` (``VLLMService.generate_flat``: routing, the Ray calls, vLLM),
 ``policy`` (``VLLMPolicy`` on the env's reset TensorDict) and ``collector``
 (``LLMCollector`` yielding one batch: reset, policy, env step, the collector's
-bookkeeping). ``collector_over_engine`` is the ratio of medians. Tokens are response tokens
+bookkeeping), the last two also with ``pad_output=True`` (``_padded``). ``*_over_engine``
+are ratios of medians. Tokens are response tokens
 written to the buffer (async) or returned by the collector (sync) during the rounds;
 ``sync_share`` is the summed ``SyncReport.seconds`` over the wall time. Async also
 reports the tokens of the rows the trainer consumed only (it collects up to
@@ -130,32 +131,31 @@ def run_async(svc, scheme, trainer, args, env) -> dict:
 
 
 def run_overhead(svc, rounds: int) -> dict:
-    """Median seconds of one demo batch through the engine, the policy and the collector."""
+    """Median seconds of one demo batch through the engine, the policy and the collector,
+    in TorchRL's two layouts (ragged rows, and padded ``pad_output=True``)."""
     from torchrl.collectors.llm import LLMCollector
 
     from torchrl_vllm_ext import TokenCountEnv, VLLMPolicy
 
-    env = TokenCountEnv(batch_size=(128,), group_size=16, seed=0, sample_seeds=True)
+    def make_env():
+        return TokenCountEnv(batch_size=(128,), group_size=16, seed=0, sample_seeds=True)
+
+    env = make_env()
     sampling = {"max_tokens": env.answer_len, "allowed_token_ids": env.task_token_ids}
-    policy = VLLMPolicy(svc, sampling_params=sampling)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The env passed to LLMCollector is missing")
-        collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=128)
-    batches = iter(collector)
     first = env.reset()
     prompts = first.get(("tokens", "prompt")).tolist()
     params = [{**sampling, "seed": int(s)} for s in first.get("seed")]
-
-    def engine():
-        svc.generate_flat(prompts, params)
-
-    def policy_call():
-        policy(first.clone())
-
-    def collect():
-        next(batches)
-
-    calls = {"engine": engine, "policy": policy_call, "collector": collect}
+    calls = {"engine": lambda: svc.generate_flat(prompts, params)}
+    collectors = []
+    for suffix, pad in (("", False), ("_padded", True)):
+        policy = VLLMPolicy(svc, sampling_params=sampling, pad_output=pad, pad_token_id=0)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The env passed to LLMCollector is missing")
+            collector = LLMCollector(make_env(), policy=policy, dialog_turns_per_batch=128)
+        collectors.append(collector)
+        batches = iter(collector)
+        calls[f"policy{suffix}"] = lambda p=policy: p(first.clone())
+        calls[f"collector{suffix}"] = lambda b=batches: next(b)
     times: dict[str, list[float]] = {name: [] for name in calls}
     for fn in calls.values():  # warm-up
         fn()
@@ -165,15 +165,16 @@ def run_overhead(svc, rounds: int) -> dict:
             t0 = time.perf_counter()
             calls[name]()
             times[name].append(time.perf_counter() - t0)
-    collector.shutdown()
+    for collector in collectors:
+        collector.shutdown()
     med = {name: statistics.median(v) for name, v in times.items()}
     return {
         "task": "TokenCountEnv 8 prompts x 16 samples, 4 tokens, allowed ids, seeded rows",
         "rounds": rounds,
         **{f"{name}_s": round(v, 4) for name, v in med.items()},
-        "policy_over_engine": round(med["policy"] / med["engine"], 3),
-        "collector_over_engine": round(med["collector"] / med["engine"], 3),
-    }
+        **{f"{name}_over_engine": round(v / med["engine"], 3) for name, v in med.items()
+           if name != "engine"},
+    }  # fmt: skip
 
 
 def main(args) -> dict:

@@ -50,6 +50,14 @@ def test_demo_trains_and_writes_its_outputs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     for phase in ("generate", "score", "train", "sync"):
         assert phase in proc.stdout  # the printed step breakdown
+    # Quiet: a few lines of progress and the summary; the replicas' vLLM output, Ray's and
+    # every weight push are in the log file instead.
+    terminal = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip()]
+    shown = [ln for ln in terminal if "starting vLLM replicas" not in ln]
+    assert len(shown) <= 15, "\n".join(shown)
+    log = (tmp_path / "torchrl-vllm.log").read_text()
+    assert "MainProcess pid=" in log, "a replica's vLLM output"
+    assert log.count("pushed version") == steps
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     s = metrics["summary"]
     assert len(metrics["steps"]) == steps

@@ -87,7 +87,18 @@ def plot_run(steps: list[dict], summary: dict, path: Path, *, window: int = 10) 
     top.set_ylim(0, 1.05)
     top.set_ylabel("reward")
     top.set_title("GRPO on vLLM replicas: TokenCountEnv")
-    top.legend(loc="lower right")
+    handles = top.get_legend_handles_labels()[0]
+    if all("entropy" in s for s in steps):
+        # Entropy near 0 while the reward is below 1 is a stall: a group's samples agree.
+        right = top.twinx()
+        (line,) = right.plot(
+            x, [s["entropy"] for s in steps], color="tab:purple", lw=0.8, alpha=0.7,
+            label="sampling entropy (right)",
+        )  # fmt: skip
+        right.set_ylim(bottom=0)
+        right.set_ylabel("entropy of the samples (nats)")
+        handles.append(line)
+    top.legend(handles=handles, loc="lower right")
     # Step 0 pays the engines' warm-up (~10x a later step): it is drawn apart, as a
     # note, so the later steps' phases keep a readable scale.
     warm, later = steps[0], steps[1:] or steps[:1]

@@ -19,6 +19,19 @@ def _padded(rows, width: int, value) -> torch.Tensor:
     return out
 
 
+def response_rows(data: TensorDictBase, key) -> list[torch.Tensor]:
+    """Each sample's response values under ``key``, unpadded, in either TorchRL layout.
+
+    Ragged rows come as they are; a padded layout's right-padded rows are cut to the
+    sample's response length (its ``("masks", "all_assistant_mask")`` count).
+    """
+    value = data.get(key, as_list=True)
+    if not isinstance(value, torch.Tensor):
+        return list(flatten_rows(value))
+    lengths = data.get(("masks", "all_assistant_mask")).sum(-1).reshape(-1).tolist()
+    return [row[:n] for row, n in zip(value.reshape(len(lengths), -1), lengths, strict=True)]
+
+
 class RolloutRecorder:
     """A ``(steps, rows)`` memmapped TensorDict at ``path``, allocated once, filled per step.
 
@@ -55,8 +68,8 @@ class RolloutRecorder:
     def record(self, step: int, batch: TensorDictBase) -> None:
         """Write the collector's ``batch`` (with ``"advantage"`` set) as step ``step``."""
         data = batch.reshape(-1)
-        responses = list(flatten_rows(data.get(("tokens", "response"), as_list=True)))
-        log_probs = list(flatten_rows(data.get(("log_probs", "response"), as_list=True)))
+        responses = response_rows(data, ("tokens", "response"))
+        log_probs = response_rows(data, ("log_probs", "response"))
         versions = [int(v) for v in data.get(("vllm", "weight_version")).flatten().tolist()]
         row = TensorDict(
             {
@@ -74,4 +87,4 @@ class RolloutRecorder:
         self.recorded = step + 1
 
 
-__all__ = ["RolloutRecorder"]
+__all__ = ["RolloutRecorder", "response_rows"]

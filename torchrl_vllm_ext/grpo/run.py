@@ -138,8 +138,13 @@ def run_grpo(
         logger.info(
             "%d replicas up in %.1f s; weight sync: %s", cfg.replicas, startup_s, scheme.transport
         )
+        # Padded: TorchRL's collector clones every batch twice, and a padded batch is a
+        # few dense tensors where a ragged one is a TensorDict per sample (the collector
+        # took 2.8x the engine's time ragged, 1.0x padded: benchmarks/bench_collect.py).
         policy = VLLMPolicy(
             service,
+            pad_output=True,
+            tokenizer=tokenizer,
             sampling_params={
                 "max_tokens": cfg.answer_len,
                 "temperature": cfg.temperature,

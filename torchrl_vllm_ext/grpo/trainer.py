@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from tensordict import TensorDictBase
 
-from torchrl_vllm_ext.wrappers.inputs import flatten_rows
+from torchrl_vllm_ext.grpo.rollouts import response_rows
 
 # Added to the logits of ids outside the task's alphabet: exp() of it is exactly 0 in
 # fp32/bf16, like vLLM's -inf mask, without the NaN that 0 * -inf brings to entropies.
@@ -64,7 +64,7 @@ def sample_entropy(batch: TensorDictBase) -> float:
     An entropy near 0 means the engine samples one answer: every sample of a group is
     then the same, GRPO's group advantages are 0, and nothing more is learned there.
     """
-    rows = flatten_rows(batch.get(("log_probs", "response"), as_list=True))
+    rows = response_rows(batch, ("log_probs", "response"))
     return -torch.cat([r.reshape(-1) for r in rows]).mean().item()
 
 
@@ -72,7 +72,7 @@ class GRPOTrainer:
     """TorchRL's ``GRPOLoss`` over a transformers model, with Adam: ``step(batch)`` learns once.
 
     ``batch`` is what :class:`torchrl.collectors.llm.LLMCollector` yields with a
-    :class:`~torchrl_vllm_ext.VLLMPolicy` (``pad_output=False``) on a
+    :class:`~torchrl_vllm_ext.VLLMPolicy` (``pad_output`` as given here) on a
     :class:`~torchrl_vllm_ext.envs.TokenTaskEnv` with ``group_size`` rows per prompt.
 
     Args:
@@ -84,6 +84,7 @@ class GRPOTrainer:
         clip_epsilon: GRPOLoss clipping of the importance weight.
         max_grad_norm: gradient clipping.
         entropy_coeff: weight of GRPOLoss's entropy bonus (0 turns it off).
+        pad_output: the batch's layout (the policy's ``pad_output``).
 
     Examples:
         >>> trainer = GRPOTrainer(model, tokenizer, group_size=16)  # doctest: +SKIP
@@ -102,6 +103,7 @@ class GRPOTrainer:
         clip_epsilon: float = 0.2,
         max_grad_norm: float = 1.0,
         entropy_coeff: float = 0.0,
+        pad_output: bool = True,
     ):
         from torchrl.modules.llm import TransformersWrapper
         from torchrl.objectives.llm import GRPOLoss
@@ -110,7 +112,7 @@ class GRPOTrainer:
         self.group_size = group_size
         self.max_grad_norm = max_grad_norm
         actor = TransformersWrapper(
-            model, tokenizer=tokenizer, input_mode="tokens", generate=False, pad_output=False
+            model, tokenizer=tokenizer, input_mode="tokens", generate=False, pad_output=pad_output
         )
         self.loss = GRPOLoss(
             actor,
@@ -130,9 +132,10 @@ class GRPOTrainer:
         own weights they are 1 and 0 up to float error, the visible proof that the
         replicas serve exactly what the trainer holds.
         """
+        reward = batch.get(("next", "reward")).reshape(-1).float()
+        advantage = group_advantage(reward, self.group_size)
+        batch.set("advantage", advantage.view(*batch.shape, 1, 1))  # the recorder reads it
         data = batch.reshape(-1)
-        reward = data.get(("next", "reward")).reshape(-1).float()
-        data.set("advantage", group_advantage(reward, self.group_size).view(-1, 1, 1))
         start = time.perf_counter()
         out = self.loss(data)
         scored = time.perf_counter()

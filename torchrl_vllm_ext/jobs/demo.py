@@ -9,7 +9,6 @@ replicas after every step; writes ``reward_curve.png``, ``metrics.json`` and
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 
 logger = logging.getLogger(__name__)
@@ -25,6 +24,7 @@ FLAGS = {
     "replicas": "--replicas",
     "transport": "--transport",
     "lr": "--lr",
+    "entropy_coeff": "--entropy-coeff",
     "seed": "--seed",
     "dtype": "--dtype",
     "high": "--high",
@@ -77,6 +77,10 @@ def run(args: argparse.Namespace) -> int:
         f"{s['max_abs_kl_to_engine']:.1e}\n"
     )
     print(breakdown_table(s))
-    print()
-    print(json.dumps({"summary": s, "files": result["files"]}, indent=2))
+    files = result["files"]
+    print(
+        f"\nwrote {files['reward_curve']}, {files['metrics']} (every figure), {files['rollouts']}"
+    )
+    if cfg.log_file is not None:
+        print(f"log (vLLM, Ray, the replicas, every weight push): {cfg.log_file}")
     return 0

@@ -23,6 +23,7 @@ PACKAGE = "torchrl_vllm_ext"
 JOB_LOGGERS = (f"{PACKAGE}.jobs", f"{PACKAGE}.grpo")
 LOG_FILE_NAME = "torchrl-vllm.log"
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+TERMINAL_FORMAT = "%(asctime)s %(levelname)s %(message)s"  # quiet: the job's own lines
 # Libraries that install their own terminal handlers; their records are routed through ours.
 OWN_HANDLER_LOGGERS = ("ray", "transformers")
 
@@ -82,7 +83,7 @@ def setup_logging(log_file: Path | None, *, verbose: bool, level: str = "INFO") 
     root.setLevel(level.upper())
     formatter = logging.Formatter(FORMAT)
     console = TqdmHandler()
-    console.setFormatter(formatter)
+    console.setFormatter(formatter if verbose else logging.Formatter(TERMINAL_FORMAT, "%H:%M:%S"))
     if not verbose:
         console.addFilter(quiet_filter)
     root.addHandler(console)
