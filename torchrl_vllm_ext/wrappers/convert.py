@@ -14,7 +14,8 @@ The batch's flat arrays go straight in: every field is one gather plus index ari
 only Python loops run once per *sample*, to wrap its views. Scoring output is built in
 :mod:`.scoring`, text and chat-history fields in :mod:`.text`.
 
-Log-prob conventions (TorchRL's): entry ``t`` of ``log_probs.full`` is
+Log-prob conventions (TorchRL's): ``log_probs.prompt`` is always written (TorchRL's keys);
+entry ``t`` of ``log_probs.full`` is
 ``log p(full[t] | full[:t])``; the first token of a sequence has no score and is 0.0, as in
 TorchRL's wrappers; prompt positions that were *not* scored are NaN ("no score", which
 GRPOLoss masks out), never 0.0; padding is 0.0.
@@ -181,14 +182,18 @@ def generated_rows(
     attn_t = torch.ones(full.shape, dtype=torch.bool).split(L.tolist())
     asst_t = _split(assistant, L)
     resp_lp_t, full_lp_t = _split(s.response_logprobs, R), _split(full_lp, L)
-    prompt_lp_t = _split(prompt_lp, P) if prompt_lp is not None else None
+    # Unscored prompts get NaN ("no score") like full's prompt slice: TorchRL's keys.
+    prompt_lp_t = _split(full_lp[p_pos], P)
     unpadded = MetaData(False)
     extras = _Strings()
     rows = []
     for i in range(len(P)):
-        lp = {"response": resp_lp_t[i], "full": full_lp_t[i], "padded": unpadded}
-        if prompt_lp_t is not None:
-            lp["prompt"] = prompt_lp_t[i]
+        lp = {
+            "prompt": prompt_lp_t[i],
+            "response": resp_lp_t[i],
+            "full": full_lp_t[i],
+            "padded": unpadded,
+        }
         rows.append(
             _td(
                 {
@@ -251,18 +256,14 @@ def generated_padded(
     p_mask = torch.arange(prompt.shape[1]) >= torch.from_numpy(prompt.shape[1] - P)[:, None]
     r_mask = torch.arange(resp.shape[1]) < torch.from_numpy(R)[:, None]
     resp_lp = torch.from_numpy(pad_flat(s.response_logprobs, R, 0.0, left=False))
-    prompt_lp = None
     if s.prompt_logprobs is not None:
         plp = pad_flat(s.prompt_logprobs, P, 0.0, left=True)
         plp[np.arange(n)[P > 0], (plp.shape[1] - P)[P > 0]] = 0.0  # first token: no score
         prompt_lp = torch.from_numpy(plp)
-        prompt_full_lp = prompt_lp
-    else:
-        prompt_full_lp = torch.zeros(prompt.shape).masked_fill_(p_mask, float("nan"))
+    else:  # unscored: NaN ("no score"), padding 0.0
+        prompt_lp = torch.zeros(prompt.shape).masked_fill_(p_mask, float("nan"))
     batch_size = torch.Size([n])
-    lp = {"response": resp_lp, "full": torch.cat([prompt_full_lp, resp_lp], -1)}
-    if prompt_lp is not None:
-        lp["prompt"] = prompt_lp
+    lp = {"prompt": prompt_lp, "response": resp_lp, "full": torch.cat([prompt_lp, resp_lp], -1)}
     padded = MetaData(True, batch_size=batch_size)
 
     def tc(cls, source):

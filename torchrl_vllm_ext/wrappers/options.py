@@ -56,6 +56,11 @@ class PolicyOptions:
     """Where the input is read (default ``(mode, "prompt")``, or ``(mode, "full")`` when
     scoring); a flat key such as ``"text"`` (strings), ``"history"`` (a ``History``) or
     ``"input_ids"`` works as in TorchRL's wrapper."""
+    inplace: bool | str | None = None
+    """TorchRL's meaning: True writes the output into the input TensorDict (the default
+    for one sample per prompt), False returns a new TensorDict of the output keys only
+    (the default, and the only choice, with ``num_samples``), ``"empty"`` writes into an
+    empty TensorDict shaped like the input."""
     tokenizer: Any = None
     """A Hugging Face tokenizer; required by text and history modes."""
     pad_token_id: int | None = None
@@ -110,6 +115,15 @@ class PolicyOptions:
             )
         if self.generate_kwargs:
             self._take_generate_kwargs(dict(self.generate_kwargs))
+        if self.inplace not in (None, True, False, "empty"):
+            raise ConfigurationError(
+                f"inplace={self.inplace!r} must be True, False, 'empty' or None (TorchRL's values)."
+            )
+        if self.num_samples is not None and self.inplace in (True, "empty"):
+            raise ConfigurationError(
+                f"inplace={self.inplace!r} with num_samples={self.num_samples}: the output has a "
+                "new (batch, num_samples) shape; use inplace=False or leave it None."
+            )
         if not self.return_log_probs and not self.generate:
             raise ConfigurationError(
                 "return_log_probs=False with generate=False: scoring returns log-probs and "

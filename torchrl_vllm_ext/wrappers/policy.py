@@ -267,7 +267,9 @@ class VLLMPolicy(TensorDictModuleBase):
         shape = td.batch_size
         if self.num_samples is not None:
             return _shaped(out, torch.Size([*shape, self.num_samples]))
-        return _merge(td, out, self.out_keys)
+        if self.inplace is False:
+            return _shaped(out, shape)
+        return _merge(td.empty() if self.inplace == "empty" else td, out, self.out_keys)
 
 
 def _without(out, key: str):
