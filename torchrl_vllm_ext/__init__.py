@@ -20,6 +20,7 @@ _EXPORTS = {
     "StalenessGate": "torchrl_vllm_ext.collectors",
     "TokenCopyEnv": "torchrl_vllm_ext.envs",
     "TokenCountEnv": "torchrl_vllm_ext.envs",
+    "ReferenceKL": "torchrl_vllm_ext.transforms",
     "ReplicaInfo": "torchrl_vllm_ext.messages",
     "ReplicaStats": "torchrl_vllm_ext.messages",
     "RequestData": "torchrl_vllm_ext.messages",

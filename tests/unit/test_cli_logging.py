@@ -23,7 +23,7 @@ RECORDS = [
 
 @pytest.fixture
 def restore_logging():
-    root, names = logging.getLogger(), ("torchrl_vllm_ext", "ray", "transformers")
+    root, names = logging.getLogger(), ("torchrl_vllm_ext", "ray", "transformers", "vllm")
     libs = {n: logging.getLogger(n) for n in names}
     saved = (list(root.handlers), root.level, {n: lg.level for n, lg in libs.items()})
     own = {n: (list(lg.handlers), lg.propagate) for n, lg in libs.items()}

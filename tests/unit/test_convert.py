@@ -67,7 +67,9 @@ def test_generated_rows_layout():
     assert all(a.all() for a in td.get(("masks", "all_attention_mask"), as_list=True))
     assert td[1]["vllm", "weight_version"] == "4"
     assert td[0]["vllm", "finish_reason"] == "length"
-    assert "prompt" not in td["log_probs"].keys() or td["log_probs"].prompt is None
+    # TorchRL's keys: log_probs.prompt is there, NaN ("not scored") at every prompt token.
+    prompt_lp = td.get(("log_probs", "prompt"), as_list=True)
+    assert [len(p) for p in prompt_lp] == [3, 1] and all(torch.isnan(p).all() for p in prompt_lp)
 
 
 def test_generated_rows_prompt_logprobs_first_token_zero():

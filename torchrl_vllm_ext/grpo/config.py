@@ -48,6 +48,11 @@ class GRPOConfig:
     """Sampling temperature of the replicas (the trainer's log-probs assume 1.0)."""
     replicas: int = 2
     """vLLM replicas (Ray actors)."""
+    kl_coef: float = 0.0
+    """GRPOLoss's KL-to-reference weight (``kl_to_ref_coeff``); > 0 starts a reference
+    service on the initial weights whose log-probs each rollout carries (0: off)."""
+    ref_replicas: int = 1
+    """Replicas of the reference service (with ``kl_coef > 0``)."""
     transport: str = "auto"
     """Weight-sync transport: auto, storage or broadcast."""
     seed: int = 0

@@ -54,6 +54,21 @@ def summarize(steps: list[dict], *, target: float, random_reward: float, window:
         "median_breakdown_s": breakdown,
         "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps),
         "max_abs_kl_to_engine": max(abs(s["kl_to_engine"]) for s in steps),
+        **reference_summary(steps, step_s),
+    }
+
+
+def reference_summary(steps: list[dict], step_s: float) -> dict:
+    """With a reference model: its scoring time per step (and share of the median step)
+    and the KL to it at the start and the end."""
+    if not all("ref_s" in s and "kl_to_ref" in s for s in steps):
+        return {}
+    ref_s = statistics.median(s["ref_s"] for s in steps)
+    return {
+        "median_ref_s": ref_s,
+        "ref_share_of_step": ref_s / step_s if step_s else 0.0,
+        "kl_to_ref_start": steps[0]["kl_to_ref"],
+        "kl_to_ref_end": statistics.fmean(s["kl_to_ref"] for s in steps[-10:]),
     }
 
 

@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -71,6 +73,29 @@ def load_trainer_model(cfg: GRPOConfig):
     return path, tokenizer, model
 
 
+def launch_services(cfg: GRPOConfig, model_path, gpu: bool, stack: contextlib.ExitStack):
+    """The policy's service and, with ``cfg.kl_coef > 0``, the reference's (else None).
+
+    Both are entered on ``stack`` (the reference closes first; the first service owns the
+    Ray cluster). Without ``cfg.cpus_per_replica`` the CPUs are split evenly between all
+    replicas of both.
+    """
+    from torchrl_vllm_ext import VLLMService
+
+    ref_replicas = cfg.ref_replicas if cfg.kl_coef > 0 else 0
+    cpus = cfg.cpus_per_replica
+    if cpus is None and ref_replicas and not gpu:
+        cpus = (os.cpu_count() or 1) / (cfg.replicas + ref_replicas)
+    kwargs = dict(cpus_per_replica=cpus, log_file=cfg.log_file, **engine_kwargs(cfg, gpu=gpu))
+    service = stack.enter_context(
+        VLLMService.launch(model_path, num_replicas=cfg.replicas, **kwargs)
+    )
+    if not ref_replicas:
+        return service, None
+    ref = stack.enter_context(VLLMService.launch(model_path, num_replicas=ref_replicas, **kwargs))
+    return service, ref
+
+
 def run_grpo(
     cfg: GRPOConfig, *, progress: bool = True, on_step: Callable[[dict], None] | None = None
 ) -> dict:
@@ -82,9 +107,9 @@ def run_grpo(
     from tqdm.auto import tqdm
 
     from torchrl_vllm_ext import (
+        ReferenceKL,
         TokenCountEnv,
         VLLMPolicy,
-        VLLMService,
         WeightSyncScheme,
         WeightSyncUpdater,
     )
@@ -114,6 +139,7 @@ def run_grpo(
         lr=cfg.lr,
         clip_epsilon=cfg.clip_epsilon,
         entropy_coeff=cfg.entropy_coeff,
+        kl_to_ref_coeff=cfg.kl_coef,
     )
     recorder = RolloutRecorder(
         out_dir / "rollouts",
@@ -124,20 +150,31 @@ def run_grpo(
     )
 
     started = time.perf_counter()
-    with (
-        VLLMService.launch(
-            model_path,
-            num_replicas=cfg.replicas,
-            cpus_per_replica=cfg.cpus_per_replica,
-            log_file=cfg.log_file,
-            **engine_kwargs(cfg, gpu=gpu),
-        ) as service,
-        WeightSyncScheme(service, transport=cfg.transport) as scheme,
-    ):
+    with contextlib.ExitStack() as stack:
+        service, ref_service = launch_services(cfg, model_path, gpu, stack)
+        scheme = stack.enter_context(WeightSyncScheme(service, transport=cfg.transport))
         startup_s = time.perf_counter() - started
         logger.info(
-            "%d replicas up in %.1f s; weight sync: %s", cfg.replicas, startup_s, scheme.transport
+            "%d replicas up in %.1f s%s; weight sync: %s",
+            cfg.replicas,
+            startup_s,
+            f" (+ {cfg.ref_replicas} reference)" if ref_service is not None else "",
+            scheme.transport,
         )
+        reference = None
+        if ref_service is not None:
+            # Scores every rollout with the initial weights (never pushed to): GRPOLoss
+            # reads ("next", "ref_log_probs", "full") and runs no reference forward.
+            reference = ReferenceKL(
+                VLLMPolicy(
+                    ref_service,
+                    generate=False,
+                    log_probs_key="ref_log_probs",
+                    pad_output=True,
+                    tokenizer=tokenizer,
+                )
+            )
+            env = env.append_transform(reference)
         # Padded: TorchRL's collector clones every batch twice, and a padded batch is a
         # few dense tensors where a ragged one is a TensorDict per sample (the collector
         # took 2.8x the engine's time ragged, 1.0x padded: benchmarks/bench_collect.py).
@@ -180,6 +217,8 @@ def run_grpo(
                 sync_s = time.perf_counter() - t1
                 report = updater.last_report
                 tokens = cfg.rows_per_step * cfg.answer_len
+                if reference is not None:
+                    metrics["ref_s"] = reference.seconds
                 metrics.update(
                     step=step,
                     generate_s=generate_s,
@@ -219,4 +258,4 @@ def run_grpo(
     return result
 
 
-__all__ = ["engine_kwargs", "load_trainer_model", "run_grpo"]
+__all__ = ["engine_kwargs", "launch_services", "load_trainer_model", "run_grpo"]

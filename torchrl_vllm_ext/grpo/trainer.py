@@ -84,6 +84,8 @@ class GRPOTrainer:
         clip_epsilon: GRPOLoss clipping of the importance weight.
         max_grad_norm: gradient clipping.
         entropy_coeff: weight of GRPOLoss's entropy bonus (0 turns it off).
+        kl_to_ref_coeff: weight of GRPOLoss's KL to the reference (0 turns it off); the
+            batch then carries ``("next", "ref_log_probs", "full")`` (:class:`ReferenceKL`).
         pad_output: the batch's layout (the policy's ``pad_output``).
 
     Examples:
@@ -103,6 +105,7 @@ class GRPOTrainer:
         clip_epsilon: float = 0.2,
         max_grad_norm: float = 1.0,
         entropy_coeff: float = 0.0,
+        kl_to_ref_coeff: float = 0.0,
         pad_output: bool = True,
     ):
         from torchrl.modules.llm import TransformersWrapper
@@ -120,6 +123,7 @@ class GRPOTrainer:
             masking_strategy="sft",
             entropy_bonus=entropy_coeff > 0,
             entropy_coeff=entropy_coeff,
+            kl_to_ref_coeff=kl_to_ref_coeff or None,
         )
         self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
@@ -141,8 +145,9 @@ class GRPOTrainer:
         scored = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         loss = out.loss_objective
-        if out.loss_entropy is not None:
-            loss = loss + out.loss_entropy
+        for extra in (out.loss_entropy, out.loss_kl_to_ref):
+            if extra is not None:
+                loss = loss + extra
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
@@ -151,6 +156,7 @@ class GRPOTrainer:
             "reward": reward.mean().item(),
             "loss": out.loss_objective.item(),
             "entropy": sample_entropy(data),
+            **({"kl_to_ref": float(out.kl_to_ref)} if out.kl_to_ref is not None else {}),
             "ess": float(out.ESS),
             "kl_to_engine": float(out.kl_approx),
             "grad_norm": float(grad_norm),

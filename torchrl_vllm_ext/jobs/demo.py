@@ -25,6 +25,8 @@ FLAGS = {
     "transport": "--transport",
     "lr": "--lr",
     "entropy_coeff": "--entropy-coeff",
+    "kl_coef": "--kl-coef",
+    "ref_replicas": "--ref-replicas",
     "seed": "--seed",
     "dtype": "--dtype",
     "high": "--high",
@@ -76,6 +78,12 @@ def run(args: argparse.Namespace) -> int:
         f"training {s['train_wall_s']:.0f} s; max |KL(trainer, engine)| on fresh samples "
         f"{s['max_abs_kl_to_engine']:.1e}\n"
     )
+    if "median_ref_s" in s:
+        print(
+            f"KL to the reference: {s['kl_to_ref_start']:.3f} -> {s['kl_to_ref_end']:.3f}; "
+            f"reference scoring {s['median_ref_s']:.3f} s per step "
+            f"({s['ref_share_of_step']:.0%} of the step, inside generate)"
+        )
     print(breakdown_table(s))
     files = result["files"]
     print(

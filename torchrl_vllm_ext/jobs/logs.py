@@ -25,7 +25,7 @@ LOG_FILE_NAME = "torchrl-vllm.log"
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 TERMINAL_FORMAT = "%(asctime)s %(levelname)s %(message)s"  # quiet: the job's own lines
 # Libraries that install their own terminal handlers; their records are routed through ours.
-OWN_HANDLER_LOGGERS = ("ray", "transformers")
+OWN_HANDLER_LOGGERS = ("ray", "transformers", "vllm")
 
 
 class TqdmHandler(logging.Handler):
