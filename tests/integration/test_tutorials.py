@@ -81,6 +81,7 @@ def test_grpo_notebook_reward_rises(tmp_path):
     assert summary["steps"] == 40
     assert summary["reward_start"] < 0.3 and summary["reward_end"] > summary["reward_start"] + 0.3
     assert summary["max_abs_kl_to_engine"] < 1e-4
+    assert summary["kl_to_ref_end"] > 0  # the reference service kept the initial weights
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
