@@ -18,8 +18,11 @@ task's alphabet only, a seed per row) served three ways, back to back in alterna
 order: ``engine`` (``VLLMService.generate_flat``: routing, the Ray calls, vLLM),
 ``policy`` (``VLLMPolicy`` on the env's reset TensorDict) and ``collector``
 (``LLMCollector`` yielding one batch: reset, policy, env step, the collector's
-bookkeeping), the last two also with ``pad_output=True`` (``_padded``). ``*_over_engine``
-are ratios of medians. Tokens are response tokens
+bookkeeping), the last two also with ``pad_output=True`` (``_padded``), and the padded
+collector with a :class:`~torchrl_vllm_ext.ReferenceKL` on the env
+(``_padded_reference``; the same replicas score as the reference). ``*_over_engine``
+are ratios of medians; ``reference_share_of_collector_step`` is the reference's scoring
+time over that collector step. Tokens are response tokens
 written to the buffer (async) or returned by the collector (sync) during the rounds;
 ``sync_share`` is the summed ``SyncReport.seconds`` over the wall time. Async also
 reports the tokens of the rows the trainer consumed only (it collects up to
@@ -135,7 +138,7 @@ def run_overhead(svc, rounds: int) -> dict:
     in TorchRL's two layouts (ragged rows, and padded ``pad_output=True``)."""
     from torchrl.collectors.llm import LLMCollector
 
-    from torchrl_vllm_ext import TokenCountEnv, VLLMPolicy
+    from torchrl_vllm_ext import ReferenceKL, TokenCountEnv, VLLMPolicy
 
     def make_env():
         return TokenCountEnv(batch_size=(128,), group_size=16, seed=0, sample_seeds=True)
@@ -147,15 +150,32 @@ def run_overhead(svc, rounds: int) -> dict:
     params = [{**sampling, "seed": int(s)} for s in first.get("seed")]
     calls = {"engine": lambda: svc.generate_flat(prompts, params)}
     collectors = []
-    for suffix, pad in (("", False), ("_padded", True)):
+    reference = ReferenceKL(
+        VLLMPolicy(svc, generate=False, log_probs_key="ref_log_probs", pad_output=True,
+                   pad_token_id=0)
+    )  # fmt: skip
+    ref_seconds: list[float] = []
+    for suffix, pad, env in (
+        ("", False, make_env()),
+        ("_padded", True, make_env()),
+        ("_padded_reference", True, make_env().append_transform(reference)),
+    ):
         policy = VLLMPolicy(svc, sampling_params=sampling, pad_output=pad, pad_token_id=0)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The env passed to LLMCollector is missing")
-            collector = LLMCollector(make_env(), policy=policy, dialog_turns_per_batch=128)
+            collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=128)
         collectors.append(collector)
         batches = iter(collector)
-        calls[f"policy{suffix}"] = lambda p=policy: p(first.clone())
-        calls[f"collector{suffix}"] = lambda b=batches: next(b)
+        if suffix != "_padded_reference":
+            calls[f"policy{suffix}"] = lambda p=policy: p(first.clone())
+            calls[f"collector{suffix}"] = lambda b=batches: next(b)
+        else:
+
+            def collect_with_reference(b=batches):
+                next(b)
+                ref_seconds.append(reference.seconds)
+
+            calls[f"collector{suffix}"] = collect_with_reference
     times: dict[str, list[float]] = {name: [] for name in calls}
     for fn in calls.values():  # warm-up
         fn()
@@ -168,7 +188,12 @@ def run_overhead(svc, rounds: int) -> dict:
     for collector in collectors:
         collector.shutdown()
     med = {name: statistics.median(v) for name, v in times.items()}
+    step = med["collector_padded_reference"]
     return {
+        # The reference scores on the same replicas here (one service): its share of the
+        # collector step, as a GRPO step with a reference service on the same cores pays.
+        "reference_s": round(statistics.median(ref_seconds), 4),
+        "reference_share_of_collector_step": round(statistics.median(ref_seconds) / step, 3),
         "task": "TokenCountEnv 8 prompts x 16 samples, 4 tokens, allowed ids, seeded rows",
         "rounds": rounds,
         **{f"{name}_s": round(v, 4) for name, v in med.items()},
