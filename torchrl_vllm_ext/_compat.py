@@ -165,6 +165,17 @@ def inproc_abort(llm_engine, external_ids: set[str] | None) -> list:
     return aborted.request_outputs
 
 
+def tokens_so_far(output_processor, external_ids: set[str]) -> dict[tuple[str, int], int]:
+    """Tokens generated so far by each sample of the given requests, from the engine's
+    output processor (``LLMEngine`` and ``AsyncLLM`` both keep one in the caller's
+    process): ``{(request id, sample index): count}``."""
+    return {
+        (state.external_req_id, state.request_index): state.detokenizer.num_output_tokens()
+        for state in output_processor.request_states.values()
+        if state.external_req_id in external_ids
+    }
+
+
 def inproc_shutdown(llm_engine) -> None:
     """Release an in-process ``LLMEngine``'s engine core (its executor and model)."""
     llm_engine.engine_core.shutdown()

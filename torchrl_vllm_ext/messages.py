@@ -26,6 +26,10 @@ class SampleData:
     """The stop string or token that ended the sample, if any."""
     text: str
     """Detokenised completion ("" when detokenisation is off)."""
+    end_version_from: int = 0
+    """Index of the first token generated with the request's ``weight_version_end``:
+    tokens before it came from older weights (a ``keep`` pause spanned a sync); 0 when
+    every token did."""
 
 
 @dataclass
@@ -189,6 +193,8 @@ class RequestBatch:
     """Weight version of the replica when each request was admitted (R)."""
     versions_end: list[str]
     """Weight version when it finished (differs only if a ``keep`` pause spanned a sync) (R)."""
+    end_version_from: np.ndarray
+    """Index of each sample's first token generated with ``versions_end`` (0: all) (S,)."""
 
     def __len__(self) -> int:
         return len(self.prompt_lengths)
@@ -236,6 +242,7 @@ class RequestBatch:
             replica_ids=np.array([r.replica_id for r in requests], dtype=np.int64),
             versions_start=[r.weight_version_start for r in requests],
             versions_end=[r.weight_version_end for r in requests],
+            end_version_from=np.array([s.end_version_from for s in samples], dtype=np.int64),
         )
 
     @classmethod
@@ -292,6 +299,7 @@ class RequestBatch:
             replica_ids=self.replica_ids[order],
             versions_start=[self.versions_start[r] for r in order.tolist()],
             versions_end=[self.versions_end[r] for r in order.tolist()],
+            end_version_from=self.end_version_from[samples],
         )
 
     def unpack(self) -> list[RequestData]:
@@ -311,6 +319,7 @@ class RequestBatch:
                 finish_reason=self.finish_reasons[s],
                 stop_reason=self.stop_reasons[s],
                 text=self.texts[s],
+                end_version_from=int(self.end_version_from[s]),
             )
             for s in range(len(ids))
         ]

@@ -18,7 +18,7 @@ from tensordict import TensorDict, lazy_stack
 from transformers import AutoModelForCausalLM
 
 from torchrl_vllm_ext import AsyncCollection, TokenCopyEnv, VLLMPolicy, WeightSyncScheme
-from torchrl_vllm_ext.collectors import sample_versions
+from torchrl_vllm_ext.collectors import mask_stale_tokens, sample_versions
 
 from .conftest import wait_until
 
@@ -153,3 +153,13 @@ def test_keep_sync_mid_generation_tags_start_and_end(service, trainer):
     ends = out.get(("vllm", "weight_version_end")).tolist()
     spanning = [(s, e) for s, e in zip(starts, ends, strict=True) if s != e]
     assert spanning and set(spanning) == {("1", "2")}, (starts, ends)
+    # Where the new weights took over: tokens before it came from version 1.
+    end_from = out.get(("vllm", "weight_version_end_from")).tolist()
+    for s, e, k in zip(starts, ends, end_from, strict=True):
+        assert (0 < k < 240) if s != e else k == 0, (s, e, k)
+    # On-policy for version 2: the version-1 tokens leave the loss, the rest stay.
+    mask_stale_tokens(out, current_version=2, max_policy_lag=0)
+    kept = [int(m.sum()) for m in out.get(("masks", "all_assistant_mask"), as_list=True)]
+    expected = [240 - k if s != e else (240 if s == "2" else 0)
+                for s, e, k in zip(starts, ends, end_from, strict=True)]  # fmt: skip
+    assert kept == expected

@@ -6,10 +6,16 @@ import threading
 
 import pytest
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
 from torchrl.data import LazyStackStorage, ReplayBuffer
 
-from torchrl_vllm_ext.collectors import StalenessFilter, StalenessGate, sample_versions
+from torchrl_vllm_ext.collectors import (
+    StalenessFilter,
+    StalenessGate,
+    mask_stale_tokens,
+    sample_versions,
+    stale_prefix,
+)
 from torchrl_vllm_ext.errors import ConfigurationError
 
 
@@ -85,3 +91,36 @@ def test_gate_close_releases_a_held_collector():
     gate.close()
     t.join(timeout=5.0)
     assert not t.is_alive()
+
+
+# ----------------------------------------------------------------------------- partial rollouts
+def partial_rollout(ragged: bool):
+    """Three samples of 4 response tokens after a 2-token prompt, pushed at version 2
+    mid-generation: admitted at 1/1/2, finished at 2/1/2, end version from token 3/0/0."""
+    mask = torch.tensor([False, False, True, True, True, True])
+    if ragged:
+        td = lazy_stack(
+            [TensorDict({("masks", "all_assistant_mask"): mask.clone()}) for _ in range(3)]
+        )
+    else:
+        td = TensorDict({("masks", "all_assistant_mask"): mask.repeat(3, 1)}, batch_size=[3])
+    td.set(("vllm", "weight_version"), NonTensorStack("1", "1", "2"))
+    td.set(("vllm", "weight_version_end"), NonTensorStack("2", "1", "2"))
+    td.set(("vllm", "weight_version_end_from"), torch.tensor([3, 0, 0]))
+    return td
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_mask_stale_tokens_keeps_the_fresh_part_of_a_partial_rollout(ragged):
+    td = partial_rollout(ragged)
+    assert stale_prefix(td, current_version=2, max_policy_lag=0).tolist() == [3, -1, 0]
+    mask_stale_tokens(td, current_version=2, max_policy_lag=0)
+    kept = [int(m.sum()) for m in td.get(("masks", "all_assistant_mask"), as_list=True)]
+    assert kept == [1, 0, 4]  # 1 of 4 from version 2; all from version 1; all from 2
+    td = partial_rollout(ragged)
+    mask_stale_tokens(td, current_version=2, max_policy_lag=1)  # everything within the bound
+    assert [int(m.sum()) for m in td.get(("masks", "all_assistant_mask"), as_list=True)] == [
+        4,
+        4,
+        4,
+    ]

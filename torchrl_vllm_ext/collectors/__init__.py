@@ -1,6 +1,7 @@
 """TorchRL collector integration: weight updates through our scheme, bounded-staleness async collection."""
 
 from torchrl_vllm_ext.collectors.async_collection import AsyncCollection
+from torchrl_vllm_ext.collectors.partial import mask_stale_tokens, stale_prefix
 from torchrl_vllm_ext.collectors.staleness import (
     GatedPolicy,
     StalenessFilter,
@@ -15,5 +16,7 @@ __all__ = [
     "StalenessFilter",
     "StalenessGate",
     "WeightSyncUpdater",
+    "mask_stale_tokens",
     "sample_versions",
+    "stale_prefix",
 ]

@@ -17,6 +17,7 @@ from torchrl_vllm_ext._compat import (
     PauseMode,
     SchedulerLoad,
     engine_limits,
+    tokens_so_far,
     vllm_engine_api,
 )
 from torchrl_vllm_ext.engine.base import Engine
@@ -89,6 +90,9 @@ class AsyncEngine(Engine):
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None):
         return await self._llm.collective_rpc(method, args=args, kwargs=kwargs)
+
+    async def tokens_so_far(self, request_ids: Sequence[str]) -> dict[tuple[str, int], int]:
+        return tokens_so_far(self._llm.output_processor, set(request_ids))
 
     def load(self) -> SchedulerLoad:
         sched = self._sink.get("scheduler")

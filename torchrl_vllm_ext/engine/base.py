@@ -89,6 +89,11 @@ class Engine(abc.ABC):
         """Call a worker(-extension) method on every worker; one result per worker."""
 
     @abc.abstractmethod
+    async def tokens_so_far(self, request_ids: Sequence[str]) -> dict[tuple[str, int], int]:
+        """Tokens each sample of these in-flight requests has generated so far, keyed
+        ``(request id, sample index)`` (requests not started or finished are absent)."""
+
+    @abc.abstractmethod
     def load(self) -> SchedulerLoad:
         """Running / waiting requests and KV-cache usage, from vLLM's scheduler."""
 

@@ -32,6 +32,7 @@ from torchrl_vllm_ext._compat import (
     inproc_build,
     inproc_load,
     inproc_shutdown,
+    tokens_so_far,
 )
 from torchrl_vllm_ext.engine.base import Engine
 
@@ -130,6 +131,10 @@ class InprocEngine(Engine):
     async def check_health(self) -> None:
         """Raise if the engine died; otherwise return once the thread ran a no-op."""
         await self._call(lambda: None)
+
+    async def tokens_so_far(self, request_ids: Sequence[str]) -> dict[tuple[str, int], int]:
+        ids = set(request_ids)
+        return await self._call(lambda: tokens_so_far(self._engine.output_processor, ids))
 
     def load(self) -> SchedulerLoad:
         """Read from the actor's thread without queueing (a few int reads; the GIL makes

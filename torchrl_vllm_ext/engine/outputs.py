@@ -35,14 +35,22 @@ def _cat(arrays: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
 
 
-def pack_outputs(outputs: list, replica_id: int, start: str, end: str) -> RequestBatch:
+def pack_outputs(
+    outputs: list,
+    replica_id: int,
+    start: str,
+    end: str,
+    end_version_from: dict[tuple[str, int], int] | None = None,
+) -> RequestBatch:
     """Finished vLLM ``RequestOutput``s of one replica call -> one :class:`RequestBatch`.
 
     ``start`` / ``end``: the replica's weight version when the batch was admitted and
-    when it finished.
+    when it finished. ``end_version_from``: ``(request id, sample index)`` -> tokens the
+    sample had when the replica switched to ``end`` (absent: 0, every token is ``end``'s).
     """
+    switched = end_version_from or {}
     prompts, prompt_lps, has_prompt_lp, per_request = [], [], [], []
-    ids, lps, has_lp, finish, stop, texts = [], [], [], [], [], []
+    ids, lps, has_lp, finish, stop, texts, fresh_from = [], [], [], [], [], [], []
     for out in outputs:
         prompt = np.asarray(out.prompt_token_ids, dtype=np.int64)
         prompts.append(prompt)
@@ -57,6 +65,7 @@ def pack_outputs(outputs: list, replica_id: int, start: str, end: str) -> Reques
             finish.append(comp.finish_reason)
             stop.append(comp.stop_reason)
             texts.append(comp.text or "")
+            fresh_from.append(switched.get((out.request_id, comp.index), 0) if switched else 0)
     r = len(outputs)
     return RequestBatch(
         prompt_token_ids=_cat(prompts, np.int64),
@@ -74,6 +83,7 @@ def pack_outputs(outputs: list, replica_id: int, start: str, end: str) -> Reques
         replica_ids=np.full(r, replica_id, dtype=np.int64),
         versions_start=[start] * r,
         versions_end=[end] * r,
+        end_version_from=np.array(fresh_from, dtype=np.int64),
     )
 
 

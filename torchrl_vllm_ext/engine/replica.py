@@ -110,6 +110,10 @@ class VLLMReplica:
         self._version = weight_version
         self._outstanding = 0
         self._paused = False
+        # In-flight request ids, and for those a keep-mode sync spanned: the tokens each
+        # sample had when the newest weights came in (see pack_outputs).
+        self._inflight: set[str] = set()
+        self._end_version_from: dict[tuple[str, int], int] = {}
         self._engine_class = engine_class(in_process)
         self._extension = _load_class(actor_extension)() if actor_extension else None
         self.engine: Engine | None = None
@@ -177,6 +181,7 @@ class VLLMReplica:
         )
         version_start = self._version
         self._outstanding += len(prompts)
+        self._inflight.update(request_ids)
         # Salting the prefix cache with the weight version means cache entries computed
         # with older weights can never serve a request made after a sync.
         salt = f"w{self._version}"
@@ -202,7 +207,12 @@ class VLLMReplica:
             raise
         finally:
             self._outstanding -= len(prompts)
-        return pack_outputs(done, self.replica_id, version_start, self._version)
+            self._inflight.difference_update(request_ids)
+            switched = {
+                key: self._end_version_from.pop(key)
+                for key in [k for k in self._end_version_from if k[0] in set(request_ids)]
+            }
+        return pack_outputs(done, self.replica_id, version_start, self._version, switched)
 
     async def _abort(self, task: asyncio.Task, request_ids) -> None:
         task.cancel()
@@ -314,6 +324,10 @@ class VLLMReplica:
                 raise WeightSyncError(
                     f"replica {self.replica_id}: workers loaded versions {reported}, expected {version!r}."
                 )
+            if pause_mode == "keep" and self._inflight:
+                # Kept requests go on with the new weights from here: note where.
+                progress = await engine.tokens_so_far(list(self._inflight))
+                self._end_version_from.update(progress)
             await self.set_weight_version(version)  # 4) version + cache
             await engine.reset_prefix_cache()
         finally:

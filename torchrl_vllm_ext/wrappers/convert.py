@@ -51,7 +51,8 @@ class OutputKeys:
     history: str = "history"
     """``ChatHistory`` (prompt, response, full), history mode."""
     extra: str = "vllm"
-    """Our additive sub-TensorDict: ``weight_version``, ``weight_version_end``, ``finish_reason``."""
+    """Our additive sub-TensorDict: ``weight_version``, ``weight_version_end``,
+    ``weight_version_end_from``, ``finish_reason``."""
 
 
 DEFAULT_KEYS = OutputKeys()
@@ -79,6 +80,8 @@ class Samples:
     """Engine weight version when it finished (differs across a ``keep`` sync)."""
     finish_reasons: list
     """vLLM's finish reason of each sample."""
+    end_version_from: np.ndarray
+    """Index of each sample's first token generated with its end version (S,)."""
 
 
 def samples_of(batch: RequestBatch, with_prompt_logprobs: bool = True) -> Samples:
@@ -102,6 +105,7 @@ def samples_of(batch: RequestBatch, with_prompt_logprobs: bool = True) -> Sample
         weight_versions=[starts[r] for r in req.tolist()],
         weight_versions_end=[ends[r] for r in req.tolist()],
         finish_reasons=list(batch.finish_reasons),
+        end_version_from=_writable(batch.end_version_from),
     )
 
 
@@ -182,6 +186,7 @@ def generated_rows(
     attn_t = torch.ones(full.shape, dtype=torch.bool).split(L.tolist())
     asst_t = _split(assistant, L)
     resp_lp_t, full_lp_t = _split(s.response_logprobs, R), _split(full_lp, L)
+    fresh_from_t = torch.from_numpy(s.end_version_from).unbind(0)
     # Unscored prompts get NaN ("no score") like full's prompt slice: TorchRL's keys.
     prompt_lp_t = _split(full_lp[p_pos], P)
     unpadded = MetaData(False)
@@ -219,6 +224,7 @@ def generated_rows(
                         {
                             "weight_version": extras(s.weight_versions[i]),
                             "weight_version_end": extras(s.weight_versions_end[i]),
+                            "weight_version_end_from": fresh_from_t[i],
                             "finish_reason": extras(s.finish_reasons[i]),
                         }
                     ),
@@ -288,6 +294,7 @@ def generated_padded(
                 source={
                     "weight_version": strings(s.weight_versions),
                     "weight_version_end": strings(s.weight_versions_end),
+                    "weight_version_end_from": torch.from_numpy(s.end_version_from),
                     "finish_reason": strings(s.finish_reasons),
                 },
                 batch_size=batch_size,

@@ -44,13 +44,17 @@ class VLLMPolicy(TensorDictModuleBase):
     - ``("log_probs", "response")``: float32 log-prob of each sampled token under the engine;
       ``("log_probs", "full")``: the same aligned with ``tokens.full``, prompt positions NaN
       ("no score") unless ``return_prompt_log_probs=True`` (then real, first token 0.0);
-      ``("log_probs", "prompt")`` only when computed.
+      ``("log_probs", "prompt")`` the prompt's slice of it.
     - ``("masks", "all_attention_mask" | "all_assistant_mask")``: bool, shaped like ``tokens.full``.
     - ``("text", ...)`` in text and history modes; ``("history", "prompt" | "response" | "full")``
       in history mode.
     - Additive: ``("vllm", "weight_version")`` (str, the engine weight version the sample's
       request was admitted at), ``("vllm", "weight_version_end")`` (str, the version when it
-      finished: later only if a ``keep`` sync happened mid-generation) and
+      finished: later only if a ``keep`` sync happened mid-generation),
+      ``("vllm", "weight_version_end_from")`` (int64, the index of the first response token
+      generated with ``weight_version_end``; the tokens before it came from older weights:
+      0 unless a ``keep`` sync spanned the generation; see
+      :func:`~torchrl_vllm_ext.collectors.mask_stale_tokens`) and
       ``("vllm", "finish_reason")`` (str, vLLM's: "stop", "length", "abort"). Read them with ``td.get(("vllm", "finish_reason")).tolist()``.
 
     ``pad_output=False`` returns a lazy stack whose rows hold 1-D tensors of their own length
