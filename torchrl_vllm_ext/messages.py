@@ -48,6 +48,8 @@ class RequestData:
     """Weight version of the replica when the request was admitted."""
     weight_version_end: str
     """Weight version when it finished (differs only if a ``keep`` pause spanned a sync)."""
+    cached_tokens: int = 0
+    """Prompt tokens vLLM found in its prefix cache (not recomputed)."""
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,8 @@ class RequestBatch:
     """Weight version when it finished (differs only if a ``keep`` pause spanned a sync) (R)."""
     end_version_from: np.ndarray
     """Index of each sample's first token generated with ``versions_end`` (0: all) (S,)."""
+    cached_tokens: np.ndarray
+    """Prompt tokens of each request served from vLLM's prefix cache (R,)."""
 
     def __len__(self) -> int:
         return len(self.prompt_lengths)
@@ -243,6 +247,7 @@ class RequestBatch:
             versions_start=[r.weight_version_start for r in requests],
             versions_end=[r.weight_version_end for r in requests],
             end_version_from=np.array([s.end_version_from for s in samples], dtype=np.int64),
+            cached_tokens=np.array([r.cached_tokens for r in requests], dtype=np.int64),
         )
 
     @classmethod
@@ -300,6 +305,7 @@ class RequestBatch:
             versions_start=[self.versions_start[r] for r in order.tolist()],
             versions_end=[self.versions_end[r] for r in order.tolist()],
             end_version_from=self.end_version_from[samples],
+            cached_tokens=self.cached_tokens[order],
         )
 
     def unpack(self) -> list[RequestData]:
@@ -333,6 +339,7 @@ class RequestBatch:
                     replica_id=int(self.replica_ids[r]),
                     weight_version_start=self.versions_start[r],
                     weight_version_end=self.versions_end[r],
+                    cached_tokens=int(self.cached_tokens[r]),
                 )
             )
             first += n

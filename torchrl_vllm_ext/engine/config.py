@@ -18,7 +18,7 @@ from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.hf import model_dir
 from torchrl_vllm_ext.protocol import ACTOR_EXTENSION, PACKED_WEIGHTS_ENV, WORKER_EXTENSION
 
-DEFAULT_ROUTING = ("prefix", "least_outstanding")
+DEFAULT_ROUTING = ("session", "prefix", "least_outstanding")
 ENGINE_PROCESS_ENV = "TORCHRL_VLLM_ENGINE_PROCESS"
 """Overrides the default of :attr:`ServiceConfig.engine_process` (``1`` / ``0``)."""
 
@@ -35,7 +35,7 @@ class ServiceConfig:
         >>> from torchrl_vllm_ext.testing import make_tiny_model
         >>> cfg = ServiceConfig(model=make_tiny_model(), num_replicas=2)  # doctest: +SKIP
         >>> cfg.routing  # doctest: +SKIP
-        ('prefix', 'least_outstanding')
+        ('session', 'prefix', 'least_outstanding')
     """
 
     model: str

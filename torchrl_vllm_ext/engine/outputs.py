@@ -49,7 +49,7 @@ def pack_outputs(
     sample had when the replica switched to ``end`` (absent: 0, every token is ``end``'s).
     """
     switched = end_version_from or {}
-    prompts, prompt_lps, has_prompt_lp, per_request = [], [], [], []
+    prompts, prompt_lps, has_prompt_lp, per_request, cached = [], [], [], [], []
     ids, lps, has_lp, finish, stop, texts, fresh_from = [], [], [], [], [], [], []
     for out in outputs:
         prompt = np.asarray(out.prompt_token_ids, dtype=np.int64)
@@ -57,6 +57,7 @@ def pack_outputs(
         has_prompt_lp.append(out.prompt_logprobs is not None)
         prompt_lps.append(_chosen_logprobs(out.prompt_logprobs, len(prompt)))
         per_request.append(len(out.outputs))
+        cached.append(getattr(out, "num_cached_tokens", None) or 0)
         for comp in out.outputs:
             tokens = np.asarray(comp.token_ids, dtype=np.int64)
             ids.append(tokens)
@@ -84,6 +85,7 @@ def pack_outputs(
         versions_start=[start] * r,
         versions_end=[end] * r,
         end_version_from=np.array(fresh_from, dtype=np.int64),
+        cached_tokens=np.array(cached, dtype=np.int64),
     )
 
 

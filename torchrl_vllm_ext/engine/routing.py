@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from torchrl_vllm_ext.engine.sessions import SessionMap
 from torchrl_vllm_ext.errors import UnknownRoutingStrategyError
 
 
@@ -31,10 +32,12 @@ class ReplicaLoad:
 
 @dataclass
 class RouterState:
-    """Mutable state kept between batches (round-robin cursor)."""
+    """Mutable state kept between batches."""
 
     cursor: int = 0
     """Next position of the round-robin cycle."""
+    sessions: SessionMap = field(default_factory=SessionMap)
+    """Who served which sequences (the ``session`` strategy; the service records them)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,25 @@ def prefix_aware(req, loads, state, assigned):
     return out
 
 
+def session_sticky(req, loads, state, assigned):
+    """Send a prompt that continues a served sequence (the next turn of a chat) to the
+    replica that served it, whose prefix cache holds it; yields (leaves None) when that
+    replica is gone or would be loaded beyond ``PREFIX_IMBALANCE`` times the mean."""
+    out = list(assigned)
+    projected = _projected_loads(loads, out)
+    final_total = sum(load.outstanding for load in loads) + len(req.prompts)
+    cap = PREFIX_IMBALANCE * final_total / len(loads) + 1
+    for i, prompt in enumerate(req.prompts):
+        if out[i] is not None:
+            continue
+        rid = state.sessions.lookup(prompt)
+        if rid is None or rid not in projected or projected[rid] + 1 > cap:
+            continue
+        out[i] = rid
+        projected[rid] += 1
+    return out
+
+
 def least_outstanding(req, loads, state, assigned):
     """Each prompt goes to the replica with the fewest prompts in flight, counting this batch."""
     out = list(assigned)
@@ -161,6 +183,7 @@ def round_robin(req, loads, state, assigned):
 
 
 STRATEGIES: dict[str, Strategy] = {
+    "session": session_sticky,
     "prefix": prefix_aware,
     "least_outstanding": least_outstanding,
     "kv_cache": kv_cache_usage,

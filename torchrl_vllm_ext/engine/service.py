@@ -402,6 +402,9 @@ class VLLMService:
             if error is not None:
                 raise error
             if not failed:
+                if "session" in strategies and len(live) > 1:  # next turns go where these ran
+                    for _, part in parts:
+                        self._router_state.sessions.record_batch(part)
                 return RequestBatch.merge(parts, len(prompts))
             pending = sorted(failed)
             logger.warning(
@@ -472,6 +475,7 @@ class VLLMService:
             return
         draining = rep.state == "draining"
         rep.state = "dead"
+        self._router_state.sessions.forget(rid)  # its prefix cache is gone
         logger.warning("replica %d died (%s: %s)", rid, type(error).__name__, error)
         if not draining and not self._closed:
             self._spawn(self._restart(rep))

@@ -52,7 +52,7 @@ class OutputKeys:
     """``ChatHistory`` (prompt, response, full), history mode."""
     extra: str = "vllm"
     """Our additive sub-TensorDict: ``weight_version``, ``weight_version_end``,
-    ``weight_version_end_from``, ``finish_reason``."""
+    ``weight_version_end_from``, ``cached_tokens``, ``finish_reason``."""
 
 
 DEFAULT_KEYS = OutputKeys()
@@ -82,6 +82,8 @@ class Samples:
     """vLLM's finish reason of each sample."""
     end_version_from: np.ndarray
     """Index of each sample's first token generated with its end version (S,)."""
+    cached_tokens: np.ndarray
+    """Prompt tokens of each sample's request served from vLLM's prefix cache (S,)."""
 
 
 def samples_of(batch: RequestBatch, with_prompt_logprobs: bool = True) -> Samples:
@@ -106,6 +108,7 @@ def samples_of(batch: RequestBatch, with_prompt_logprobs: bool = True) -> Sample
         weight_versions_end=[ends[r] for r in req.tolist()],
         finish_reasons=list(batch.finish_reasons),
         end_version_from=_writable(batch.end_version_from),
+        cached_tokens=batch.cached_tokens[req],
     )
 
 
@@ -187,6 +190,7 @@ def generated_rows(
     asst_t = _split(assistant, L)
     resp_lp_t, full_lp_t = _split(s.response_logprobs, R), _split(full_lp, L)
     fresh_from_t = torch.from_numpy(s.end_version_from).unbind(0)
+    cached_t = torch.from_numpy(s.cached_tokens).unbind(0)
     # Unscored prompts get NaN ("no score") like full's prompt slice: TorchRL's keys.
     prompt_lp_t = _split(full_lp[p_pos], P)
     unpadded = MetaData(False)
@@ -225,6 +229,7 @@ def generated_rows(
                             "weight_version": extras(s.weight_versions[i]),
                             "weight_version_end": extras(s.weight_versions_end[i]),
                             "weight_version_end_from": fresh_from_t[i],
+                            "cached_tokens": cached_t[i],
                             "finish_reason": extras(s.finish_reasons[i]),
                         }
                     ),
@@ -295,6 +300,7 @@ def generated_padded(
                     "weight_version": strings(s.weight_versions),
                     "weight_version_end": strings(s.weight_versions_end),
                     "weight_version_end_from": torch.from_numpy(s.end_version_from),
+                    "cached_tokens": torch.from_numpy(s.cached_tokens),
                     "finish_reason": strings(s.finish_reasons),
                 },
                 batch_size=batch_size,

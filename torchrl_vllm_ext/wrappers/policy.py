@@ -54,7 +54,8 @@ class VLLMPolicy(TensorDictModuleBase):
       ``("vllm", "weight_version_end_from")`` (int64, the index of the first response token
       generated with ``weight_version_end``; the tokens before it came from older weights:
       0 unless a ``keep`` sync spanned the generation; see
-      :func:`~torchrl_vllm_ext.collectors.mask_stale_tokens`) and
+      :func:`~torchrl_vllm_ext.collectors.mask_stale_tokens`), ``("vllm", "cached_tokens")``
+      (int64, the prompt tokens vLLM's prefix cache served) and
       ``("vllm", "finish_reason")`` (str, vLLM's: "stop", "length", "abort"). Read them with ``td.get(("vllm", "finish_reason")).tolist()``.
 
     ``pad_output=False`` returns a lazy stack whose rows hold 1-D tensors of their own length
