@@ -21,6 +21,7 @@ _EXPORTS = {
     "TokenCopyEnv": "torchrl_vllm_ext.envs",
     "TokenCountEnv": "torchrl_vllm_ext.envs",
     "ReferenceKL": "torchrl_vllm_ext.transforms",
+    "ScriptedChat": "torchrl_vllm_ext.envs",
     "ReplicaInfo": "torchrl_vllm_ext.messages",
     "ReplicaStats": "torchrl_vllm_ext.messages",
     "RequestData": "torchrl_vllm_ext.messages",

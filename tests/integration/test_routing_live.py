@@ -57,3 +57,20 @@ def test_fallback_chain_routes_short_prompts_by_load(service):
         )
     )
     assert sorted(Counter(ids).values()) == [2, 2]
+
+
+def test_session_sends_each_next_turn_to_the_replica_that_served_the_last(service):
+    # 9 chats (odd: round robin would alternate their replicas from turn to turn).
+    params = {"max_tokens": 8, "ignore_eos": True}
+    prompts = [[300 + i] * 20 for i in range(9)]
+    last = None
+    for _turn in range(3):
+        out = service.generate_batch(prompts, params, routing=["session", "least_outstanding"])
+        served = replicas_of(out)
+        if last is not None:
+            assert served == last, "every turn went where its chat's previous turn ran"
+        assert len(set(served)) == 2, "the chats are spread over both replicas"
+        last = served
+        prompts = [
+            [*p, *d.samples[0].token_ids.tolist(), 7, 7] for p, d in zip(prompts, out, strict=True)
+        ]

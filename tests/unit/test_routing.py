@@ -102,3 +102,33 @@ def test_unknown_strategy_is_a_typed_error_naming_the_value():
     with pytest.raises(UnknownRoutingStrategyError):
         validate_strategies([])
     assert validate_strategies("kv_cache") == ("kv_cache",)
+
+
+def test_session_map_finds_the_longest_served_prefix_and_forgets_a_replica():
+    from torchrl_vllm_ext.engine.sessions import SessionMap
+
+    sessions = SessionMap(block=4, capacity=100)
+    sessions.record(list(range(12)), replica_id=0)
+    sessions.record([*range(8), 50, 51, 52, 53], replica_id=1)  # shares 2 blocks, then its own
+    assert sessions.lookup([*range(12), 99]) == 0
+    assert sessions.lookup([*range(8), 50, 51, 52, 53, 99]) == 1
+    assert sessions.lookup([*range(8), 77, 77, 77, 77]) == 1  # the last to serve the prefix
+    assert sessions.lookup([1, 2, 3]) is None  # not one full block
+    sessions.forget(1)
+    assert sessions.lookup([*range(8), 50, 51, 52, 53]) is None
+    small = SessionMap(block=4, capacity=2)
+    small.record(list(range(16)), replica_id=0)  # 4 digests: the 2 oldest go
+    assert len(small) == 2 and small.lookup(list(range(16))) is None
+
+
+def test_session_strategy_yields_to_the_cap_and_to_unknown_prompts():
+    from torchrl_vllm_ext.engine.sessions import SessionMap
+
+    state = RouterState(sessions=SessionMap(block=2))
+    for i in range(10):
+        state.sessions.record([i, i, i, i], replica_id=0)  # every chat ran on replica 0
+    prompts = [[i, i, i, i, 9] for i in range(10)] + [[42, 43, 44]]
+    out = route(RoutingRequest(prompts), loads(0, 0), ["session", "least_outstanding"], state)
+    # The cap is 1.5 x the mean load + 1 = 9.25 prompts: 9 chats stay, the rest move.
+    assert out[:10].count(0) == 9
+    assert out[10] == 1, "an unknown prompt goes by the next strategy"

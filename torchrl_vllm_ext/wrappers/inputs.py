@@ -235,8 +235,15 @@ def read_input(
     pad_token_id: int | None = None,
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict | None = None,
+    tokens_key: NestedKey | None = None,
 ) -> PolicyInput:
-    """The sequences under ``key`` in input ``mode`` (tokens, text or history), tokenised."""
+    """The sequences under ``key`` in input ``mode`` (tokens, text or history), tokenised.
+
+    ``tokens_key`` (history mode): when the input holds token ids there (TorchRL's
+    ``IncrementalTokenizer`` keeps them), they are the engine's input as they are, and the
+    history is only rendered for the text outputs: the tokens sampled in earlier turns
+    are never re-tokenised.
+    """
     if mode == "tokens":
         return PolicyInput(read_tokens(td, key, mask_key, pad_token_id), None, None)
     if mode == "text":
@@ -246,6 +253,8 @@ def read_input(
     template = {"tokenizer": tokenizer, "add_generation_prompt": add_generation_prompt}
     template.update(chat_template_kwargs or {})
     texts = [h.apply_chat_template(**template) for h in histories]
+    if tokens_key is not None and tokens_key in td.keys(include_nested=True):
+        return PolicyInput(read_tokens(td, tokens_key, None, pad_token_id), texts, histories)
     ids = tokenize(tokenizer, texts, add_special_tokens=False)
     masks = None
     if not add_generation_prompt:  # scoring: which tokens the assistant wrote

@@ -61,6 +61,11 @@ class PolicyOptions:
     for one sample per prompt), False returns a new TensorDict of the output keys only
     (the default, and the only choice, with ``num_samples``), ``"empty"`` writes into an
     empty TensorDict shaped like the input."""
+    prefer_tokens: bool = False
+    """History mode (TorchRL's name): generate from ``(tokens_key, "prompt")`` when the
+    input has it (``ChatEnv(with_tokenizer=True)`` keeps it), not from the re-tokenised
+    history: multi-turn token-in / token-out, so a turn's context holds exactly the
+    tokens earlier turns sampled."""
     tokenizer: Any = None
     """A Hugging Face tokenizer; required by text and history modes."""
     pad_token_id: int | None = None

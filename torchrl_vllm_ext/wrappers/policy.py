@@ -208,6 +208,11 @@ class VLLMPolicy(TensorDictModuleBase):
             pad_token_id=self.pad_token_id,
             add_generation_prompt=self.generate,
             chat_template_kwargs=self.chat_template_kwargs,
+            tokens_key=(
+                (self.tokens_key, "prompt")
+                if self.prefer_tokens and self.generate and self.input_mode == "history"
+                else None
+            ),
         )
         inputs.check_vocab(read.token_ids, key, self._vocab_max())
         return _Call(td, read, self._params(td, overrides, len(read.token_ids)))
