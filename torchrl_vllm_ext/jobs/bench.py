@@ -28,8 +28,9 @@ BENCHMARKS = {
     "sync": ([], ["--hidden", "256", "--layers", "8", "--repeats", "3"]),
     "collect": ([], ["--rounds", "2", "--repeats", "1", "--overhead-rounds", "5"]),
     "faults": ([], ["--quick"]),
+    "multiturn": ([], ["--sessions", "9", "--turns", "3", "--repeats", "1"]),
 }
-RATIO_WORDS = ("ratio", "_vs_", "speedup", "fraction", "share")
+RATIO_WORDS = ("ratio", "_vs_", "_over_", "speedup", "fraction", "share", "hit_rate")
 
 
 def default_dir() -> Path:
