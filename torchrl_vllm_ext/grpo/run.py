@@ -233,6 +233,7 @@ def run_grpo(
                     reward=f"{metrics['reward']:.2f}",
                     tok_s=f"{metrics['tokens_per_s']:.0f}",
                     sync_s=f"{sync_s:.2f}",
+                    **({"kl_ref": f"{metrics['kl_to_ref']:.3f}"} if "kl_to_ref" in metrics else {}),
                 )
                 if on_step is not None:
                     on_step(metrics)
