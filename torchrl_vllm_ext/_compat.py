@@ -165,6 +165,13 @@ def inproc_abort(llm_engine, external_ids: set[str] | None) -> list:
     return aborted.request_outputs
 
 
+def lora_request(name: str, lora_id: int, path: str):
+    """vLLM's ``LoRARequest`` for an adapter directory."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
+
+
 def tokens_so_far(output_processor, external_ids: set[str]) -> dict[tuple[str, int], int]:
     """Tokens generated so far by each sample of the given requests, from the engine's
     output processor (``LLMEngine`` and ``AsyncLLM`` both keep one in the caller's

@@ -65,19 +65,37 @@ class AsyncEngine(Engine):
         return self._llm.errored
 
     async def generate(
-        self, inputs: Sequence[dict], params: Sequence[Any], request_ids: Sequence[str]
+        self,
+        inputs: Sequence[dict],
+        params: Sequence[Any],
+        request_ids: Sequence[str],
+        lora_request: Any = None,
     ) -> list:
         return list(
             await asyncio.gather(
-                *(self._one(i, p, r) for i, p, r in zip(inputs, params, request_ids, strict=True))
+                *(
+                    self._one(i, p, r, lora_request)
+                    for i, p, r in zip(inputs, params, request_ids, strict=True)
+                )
             )
         )
 
-    async def _one(self, engine_input: dict, params, request_id: str):
+    async def _one(self, engine_input: dict, params, request_id: str, lora_request=None):
         final = None
-        async for out in self._llm.generate(engine_input, params, request_id):
+        async for out in self._llm.generate(
+            engine_input, params, request_id, lora_request=lora_request
+        ):
             final = out
         return final
+
+    async def add_lora(self, lora_request) -> bool:
+        return await self._llm.add_lora(lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._llm.remove_lora(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return set(await self._llm.list_loras())
 
     async def abort(self, request_ids: Sequence[str]) -> None:
         await self._llm.abort(list(request_ids))

@@ -60,13 +60,30 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     async def generate(
-        self, inputs: Sequence[dict], params: Sequence[Any], request_ids: Sequence[str]
+        self,
+        inputs: Sequence[dict],
+        params: Sequence[Any],
+        request_ids: Sequence[str],
+        lora_request: Any = None,
     ) -> list:
         """Run a batch of requests; their final vLLM ``RequestOutput``s, in order.
 
-        A request vLLM rejects raises and leaves none of the batch in the engine.
-        Cancelling the caller does not abort the requests: call :meth:`abort`.
+        ``lora_request``: the vLLM ``LoRARequest`` every request of the batch uses (None:
+        the base weights). A request vLLM rejects raises and leaves none of the batch in
+        the engine. Cancelling the caller does not abort the requests: call :meth:`abort`.
         """
+
+    @abc.abstractmethod
+    async def add_lora(self, lora_request) -> bool:
+        """Load a LoRA adapter (vLLM ``LoRARequest``)."""
+
+    @abc.abstractmethod
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Unload the adapter with vLLM id ``lora_id``."""
+
+    @abc.abstractmethod
+    async def list_loras(self) -> set[int]:
+        """The vLLM ids of the loaded adapters."""
 
     @abc.abstractmethod
     async def abort(self, request_ids: Sequence[str]) -> None:

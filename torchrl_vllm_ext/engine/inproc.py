@@ -48,6 +48,7 @@ class _Batch(NamedTuple):
     params: list
     request_ids: list[str]
     futures: list[asyncio.Future]
+    lora_request: Any = None
 
 
 class InprocEngine(Engine):
@@ -90,11 +91,15 @@ class InprocEngine(Engine):
         return self._error is not None or not self._thread.is_alive()
 
     async def generate(
-        self, inputs: Sequence[dict], params: Sequence[Any], request_ids: Sequence[str]
+        self,
+        inputs: Sequence[dict],
+        params: Sequence[Any],
+        request_ids: Sequence[str],
+        lora_request: Any = None,
     ) -> list:
         """All requests are added before the next step, as ``vllm.LLM.generate`` does."""
         futures = [self._loop.create_future() for _ in request_ids]
-        batch = _Batch(list(inputs), list(params), list(request_ids), futures)
+        batch = _Batch(list(inputs), list(params), list(request_ids), futures, lora_request)
         await self._call(self._add_batch, batch)
         return list(await asyncio.gather(*futures))
 
@@ -131,6 +136,15 @@ class InprocEngine(Engine):
     async def check_health(self) -> None:
         """Raise if the engine died; otherwise return once the thread ran a no-op."""
         await self._call(lambda: None)
+
+    async def add_lora(self, lora_request) -> bool:
+        return await self._call(lambda: self._engine.add_lora(lora_request))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._call(lambda: self._engine.remove_lora(lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return await self._call(lambda: set(self._engine.list_loras()))
 
     async def tokens_so_far(self, request_ids: Sequence[str]) -> dict[tuple[str, int], int]:
         ids = set(request_ids)
@@ -280,8 +294,8 @@ class InprocEngine(Engine):
             return
         added: list[str] = []
         try:
-            for prompt, sp, rid, future in zip(*batch, strict=True):
-                self._engine.add_request(rid, prompt, sp)
+            for prompt, sp, rid, future in zip(*batch[:4], strict=True):
+                self._engine.add_request(rid, prompt, sp, lora_request=batch.lora_request)
                 self._waiters[rid] = future
                 added.append(rid)
         except Exception:

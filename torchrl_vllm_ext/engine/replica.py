@@ -17,7 +17,13 @@ import sys
 import time
 from collections.abc import Sequence
 
-from torchrl_vllm_ext._compat import engine_dead_errors, vllm_engine_api, vllm_validation_errors
+from torchrl_vllm_ext._compat import (
+    engine_dead_errors,
+    lora_request,
+    vllm_engine_api,
+    vllm_validation_errors,
+)
+from torchrl_vllm_ext.engine.adapters import Adapter
 from torchrl_vllm_ext.engine.base import Engine, check_pause_mode, engine_class
 from torchrl_vllm_ext.engine.outputs import pack_outputs
 from torchrl_vllm_ext.errors import (
@@ -167,8 +173,11 @@ class VLLMReplica:
         sampling_params,
         request_ids: Sequence[str],
         timeout: float | None = None,
+        adapter: Adapter | None = None,
     ) -> RequestBatch:
         """Generate a batch; ``sampling_params`` is one ``SamplingParams`` or one per prompt.
+
+        ``adapter``: the LoRA adapter (already added) every request of the batch uses.
 
         On timeout every request of the batch is aborted inside vLLM before
         :class:`GenerationTimeoutError` is raised.
@@ -186,7 +195,8 @@ class VLLMReplica:
         # with older weights can never serve a request made after a sync.
         salt = f"w{self._version}"
         inputs = [{"prompt_token_ids": list(map(int, p)), "cache_salt": salt} for p in prompts]
-        task = asyncio.create_task(engine.generate(inputs, params, list(request_ids)))
+        lora = lora_request(adapter.name, adapter.lora_id, adapter.path) if adapter else None
+        task = asyncio.create_task(engine.generate(inputs, params, list(request_ids), lora))
         try:
             done = await asyncio.wait_for(task, timeout)
         except TimeoutError:
@@ -221,6 +231,25 @@ class VLLMReplica:
         # abort by id as well (idempotent), which also covers requests never added.
         if self.engine is not None and not self.engine.errored:
             await self.engine.abort(list(request_ids))
+
+    # ------------------------------------------------------------------ LoRA
+    async def add_lora(self, adapter: Adapter) -> None:
+        """Load a LoRA adapter (a PEFT directory) so requests can name it."""
+        request = lora_request(adapter.name, adapter.lora_id, adapter.path)
+        try:
+            await self._require_engine().add_lora(request)
+        except Exception as e:
+            raise InvalidRequestError(
+                f"replica {self.replica_id}: vLLM could not load LoRA adapter {adapter.name!r} "
+                f"from {adapter.path}: {root_cause(e)}; check its rank (<= max_lora_rank) and "
+                "target modules, and that the service was launched with enable_lora=True."
+            ) from e
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._require_engine().remove_lora(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self._require_engine().list_loras()
 
     # ------------------------------------------------------------------ control
     async def stats(self) -> ReplicaStats:

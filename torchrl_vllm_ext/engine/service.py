@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from torchrl_vllm_ext._compat import PAUSE_MODES
 from torchrl_vllm_ext.engine import cluster
+from torchrl_vllm_ext.engine.adapters import AdapterRegistry
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.loop import LoopThread
 from torchrl_vllm_ext.engine.outputs import to_request_output
@@ -112,6 +113,7 @@ class VLLMService:
         self._owns_ray = False
         self._closed = False
         self._res: cluster.ReplicaResources | None = None
+        self._adapters = AdapterRegistry()
         self._limits: ReplicaInfo | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -211,6 +213,8 @@ class VLLMService:
             raise
         if self._limits is None:
             self._limits = rep.info
+        for adapter in self._adapters.live():  # before it takes traffic
+            await rep.actor.add_lora.remote(adapter)
         if restart:
             # Bring the new engine to the live weights before it takes traffic.
             provider = self._provider
@@ -219,6 +223,46 @@ class VLLMService:
             else:
                 await rep.actor.set_weight_version.remote(self._weight_version)
         rep.state = "ready"
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, name: str, path: str | Path) -> int:
+        """Load the PEFT LoRA adapter in ``path`` on every replica as ``name``; returns
+        vLLM's id for it. Re-adding a name loads the new files under a new id (requests
+        already running finish on the old one). Needs ``enable_lora=True`` at launch."""
+        return self.run(self._add_lora(name, path))
+
+    async def _add_lora(self, name: str, path) -> int:
+        adapter, previous = self._adapters.add(name, path)
+        ready = [r for r in self._replicas.values() if r.state == "ready"]
+        outcomes = await asyncio.gather(
+            *(r.actor.add_lora.remote(adapter) for r in ready), return_exceptions=True
+        )
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        if failed:  # no replica keeps it: the name serves what it served before
+            await self._unload(adapter)
+            self._adapters.remove(name)
+            if previous is not None:
+                self._adapters.put(previous)
+            raise (
+                failed[0].cause if isinstance(failed[0], ray.exceptions.RayTaskError) else failed[0]
+            )
+        if previous is not None:
+            await self._unload(previous)
+        return adapter.lora_id
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name`` from every replica."""
+        self.run(self._unload(self._adapters.remove(name)))
+
+    async def _unload(self, adapter) -> None:
+        ready = [r for r in self._replicas.values() if r.state == "ready"]
+        await asyncio.gather(
+            *(r.actor.remove_lora.remote(adapter.lora_id) for r in ready), return_exceptions=True
+        )
+
+    def list_loras(self) -> dict[str, int]:
+        """Live adapters: name -> vLLM id."""
+        return {a.name: a.lora_id for a in self._adapters.live()}
 
     def set_weights_provider(self, provider: WeightsProvider | None) -> None:
         """Make ``provider`` bring restarted replicas to the live weights (None: nobody).
@@ -286,6 +330,7 @@ class VLLMService:
         *,
         timeout: float | None = None,
         routing: str | Sequence[str] | None = None,
+        lora: str | None = None,
     ) -> list:
         """Generate for a batch of token-id prompts; vLLM ``RequestOutput``s in input order.
 
@@ -296,52 +341,60 @@ class VLLMService:
             timeout: seconds; on expiry the requests are aborted inside vLLM and
                 :class:`~torchrl_vllm_ext.errors.GenerationTimeoutError` is raised.
             routing: override the service's routing strategies for this batch.
+            lora: name of a LoRA adapter added with :meth:`add_lora` (None: base weights).
         """
         return self.run(
-            self.agenerate(prompt_token_ids, sampling_params, timeout=timeout, routing=routing)
+            self.agenerate(
+                prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
+            )
         )
 
     async def agenerate(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
+        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
     ) -> list:
         """Async :meth:`generate`."""
         data = await self.agenerate_batch(
-            prompt_token_ids, sampling_params, timeout=timeout, routing=routing
+            prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
         )
         return [to_request_output(d, f"{self.name}-{i}") for i, d in enumerate(data)]
 
     def generate_batch(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
+        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
     ) -> list[RequestData]:
         """Like :meth:`generate` but returns plain :class:`RequestData` (numpy arrays)."""
         return self.generate_flat(
-            prompt_token_ids, sampling_params, timeout=timeout, routing=routing
+            prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
         ).unpack()
 
     async def agenerate_batch(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
+        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
     ) -> list[RequestData]:
         """Async :meth:`generate_batch`."""
         flat = await self.agenerate_flat(
-            prompt_token_ids, sampling_params, timeout=timeout, routing=routing
+            prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
         )
         return flat.unpack()
 
     def generate_flat(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
+        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
     ) -> RequestBatch:
         """Like :meth:`generate` but returns one :class:`RequestBatch` of flat arrays, in
         input order: the fastest form, which ``VLLMPolicy`` converts to a TensorDict."""
-        return self.run(self._generate(prompt_token_ids, sampling_params, timeout, routing))
+        return self.run(self._generate(prompt_token_ids, sampling_params, timeout, routing, lora))
 
     async def agenerate_flat(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None
+        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
     ) -> RequestBatch:
         """Async :meth:`generate_flat`."""
-        return await self.arun(self._generate(prompt_token_ids, sampling_params, timeout, routing))
+        return await self.arun(
+            self._generate(prompt_token_ids, sampling_params, timeout, routing, lora)
+        )
 
-    async def _generate(self, prompt_token_ids, sampling_params, timeout, routing) -> RequestBatch:
+    async def _generate(
+        self, prompt_token_ids, sampling_params, timeout, routing, lora=None
+    ) -> RequestBatch:
         prompts = normalize_prompts(prompt_token_ids)
+        adapter = self._adapters.get(lora) if lora is not None else None
         per_prompt = isinstance(sampling_params, list | tuple)
         if per_prompt:
             if len(sampling_params) != len(prompts):
@@ -385,6 +438,7 @@ class VLLMService:
                     per_prompt,
                     timeout,
                     f"{self.name}-b{batch}-a{attempt}",
+                    adapter,
                 )
                 for rid, idxs in groups.items()
             ]
@@ -415,7 +469,9 @@ class VLLMService:
             "times; check the replicas' logs (out of memory?) or raise max_retries."
         )
 
-    async def _send(self, rep: _Replica, idxs, prompts, params, per_prompt, timeout, prefix):
+    async def _send(
+        self, rep: _Replica, idxs, prompts, params, per_prompt, timeout, prefix, adapter=None
+    ):
         rep.inflight += len(idxs)
         rep.idle.clear()
         try:
@@ -423,7 +479,7 @@ class VLLMService:
             ids = [f"{prefix}-{i}" for i in idxs]
             # Lists, not arrays: Ray gives every array its own out-of-band buffer.
             return await rep.actor.generate.remote(
-                [prompts[i].tolist() for i in idxs], sp, ids, timeout
+                [prompts[i].tolist() for i in idxs], sp, ids, timeout, adapter
             )
         finally:
             rep.inflight -= len(idxs)

@@ -178,7 +178,9 @@ class VLLMPolicy(TensorDictModuleBase):
         ``sampling_overrides`` replace this call's sampling parameters (vLLM field names).
         """
         call = self._prepare(tensordict, sampling_overrides)
-        batch = self.service.generate_flat(call.read.token_ids, call.params, timeout=self.timeout)
+        batch = self.service.generate_flat(
+            call.read.token_ids, call.params, timeout=self.timeout, lora=self.lora
+        )
         return self._finish(call, batch)
 
     async def aforward(self, tensordict: TensorDictBase, **sampling_overrides) -> TensorDictBase:
@@ -186,7 +188,7 @@ class VLLMPolicy(TensorDictModuleBase):
         with set_list_to_stack(True):
             call = self._prepare(tensordict, sampling_overrides)
         batch = await self.service.agenerate_flat(
-            call.read.token_ids, call.params, timeout=self.timeout
+            call.read.token_ids, call.params, timeout=self.timeout, lora=self.lora
         )
         with set_list_to_stack(True):
             return self._finish(call, batch)

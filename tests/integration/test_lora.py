@@ -1,0 +1,138 @@
+"""LoRA adapters on real replicas: added to every replica, sampled and scored with, equal to
+the PEFT model's log-probs (transformers, fp32); bad adapters are refused cleanly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from torchrl_vllm_ext import ConfigurationError, InvalidRequestError, VLLMPolicy, VLLMService
+
+from .conftest import CPUS_PER_REPLICA, ENGINE_KWARGS, hf_token_logprobs
+
+RANK = 8
+SEQUENCE = [5, 6, 7, 8, 9, 10, 40, 41, 42]
+
+
+def make_adapter(model_dir, out_dir, seed: int, rank: int = RANK):
+    """A PEFT LoRA on every linear layer of the tiny model with random (non-zero) A and B,
+    saved to ``out_dir``; returns the PEFT model (fp32, eval)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        lora_dropout=0.0,
+    )
+    model = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    model.save_pretrained(out_dir)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def lora_service(tiny_model, ray_cluster):
+    svc = VLLMService.launch(
+        tiny_model,
+        num_replicas=2,
+        cpus_per_replica=CPUS_PER_REPLICA / 2,
+        health_check_interval=0,
+        enable_lora=True,
+        max_lora_rank=16,
+        max_loras=2,
+        **ENGINE_KWARGS,
+    )
+    yield svc
+    svc.shutdown()
+
+
+def scored(service, lora=None) -> torch.Tensor:
+    policy = VLLMPolicy(service, generate=False, lora=lora)
+    td = TensorDict({("tokens", "full"): torch.tensor([SEQUENCE])}, batch_size=[1])
+    return policy(td).get(("log_probs", "full"))[0, 1:]
+
+
+def test_adapter_log_probs_equal_peft_on_every_replica(
+    lora_service, tiny_model, hf_model, tmp_path
+):
+    peft_model = make_adapter(tiny_model, tmp_path / "a1", seed=1)
+    lora_id = lora_service.add_lora("a1", tmp_path / "a1")
+    assert lora_service.list_loras() == {"a1": lora_id}
+    expected = hf_token_logprobs(peft_model, SEQUENCE)
+    base = hf_token_logprobs(hf_model, SEQUENCE)
+    assert (expected - base).abs().max() > 1e-2, "the adapter changes the model"
+    for _ in range(2):  # the router spreads calls: both replicas answer
+        torch.testing.assert_close(scored(lora_service, "a1"), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(scored(lora_service), base, atol=1e-4, rtol=0)
+    # Sampling with the adapter: its log-probs are the adapter's.
+    policy = VLLMPolicy(
+        lora_service, lora="a1", sampling_params={"max_tokens": 4, "temperature": 1.0}
+    )
+    out = policy(TensorDict({("tokens", "prompt"): torch.tensor([SEQUENCE[:4]])}, batch_size=[1]))
+    full = out.get(("tokens", "full"))[0].tolist()
+    torch.testing.assert_close(
+        out.get(("log_probs", "response"))[0], hf_token_logprobs(peft_model, full)[-4:],
+        atol=1e-4, rtol=0,
+    )  # fmt: skip
+
+
+def test_two_adapters_live_and_a_new_version_of_one(lora_service, tiny_model, tmp_path):
+    v1 = make_adapter(tiny_model, tmp_path / "v1", seed=11)
+    v2 = make_adapter(tiny_model, tmp_path / "v2", seed=12)
+    lora_service.add_lora("old", tmp_path / "v1")
+    lora_service.add_lora("new", tmp_path / "v2")
+    torch.testing.assert_close(
+        scored(lora_service, "old"), hf_token_logprobs(v1, SEQUENCE), atol=1e-4, rtol=0
+    )
+    torch.testing.assert_close(
+        scored(lora_service, "new"), hf_token_logprobs(v2, SEQUENCE), atol=1e-4, rtol=0
+    )
+    # Re-adding a name serves the new files under a new id.
+    first = lora_service.list_loras()["old"]
+    assert lora_service.add_lora("old", tmp_path / "v2") != first
+    torch.testing.assert_close(
+        scored(lora_service, "old"), hf_token_logprobs(v2, SEQUENCE), atol=1e-4, rtol=0
+    )
+    lora_service.remove_lora("old")
+    lora_service.remove_lora("new")
+
+
+def test_bad_adapters_are_refused_and_the_service_keeps_serving(lora_service, tiny_model, tmp_path):
+    with pytest.raises(ConfigurationError, match=r"adapter_config\.json"):
+        lora_service.add_lora("nothing", tmp_path)
+    make_adapter(tiny_model, tmp_path / "big", seed=3, rank=32)  # > max_lora_rank=16
+    with pytest.raises(InvalidRequestError, match="big"):
+        lora_service.add_lora("big", tmp_path / "big")
+    assert "big" not in lora_service.list_loras()
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'ghost'"):
+        scored(lora_service, "ghost")
+    assert scored(lora_service).shape == (len(SEQUENCE) - 1,)
+
+
+def test_a_new_replica_gets_the_live_adapters_before_traffic(lora_service, tiny_model, tmp_path):
+    import ray
+
+    make_adapter(tiny_model, tmp_path / "kept", seed=21)
+    lora_id = lora_service.add_lora("kept", tmp_path / "kept")
+    (rid,) = lora_service.add_replicas(1)
+    try:
+        assert lora_id in ray.get(lora_service.replica_handle(rid).list_loras.remote())
+    finally:
+        lora_service.remove_replicas(1)
+        lora_service.remove_lora("kept")
