@@ -14,6 +14,7 @@ _EXPORTS = {
     "VLLMPolicy": "torchrl_vllm_ext.wrappers",
     "WeightSyncScheme": "torchrl_vllm_ext.weight_sync.scheme",
     "SyncReport": "torchrl_vllm_ext.weight_sync.scheme",
+    "AdapterSync": "torchrl_vllm_ext.weight_sync.adapters",
     "WeightSyncUpdater": "torchrl_vllm_ext.collectors",
     "AsyncCollection": "torchrl_vllm_ext.collectors",
     "StalenessFilter": "torchrl_vllm_ext.collectors",

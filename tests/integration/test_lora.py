@@ -7,7 +7,13 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from torchrl_vllm_ext import ConfigurationError, InvalidRequestError, VLLMPolicy, VLLMService
+from torchrl_vllm_ext import (
+    ConfigurationError,
+    InvalidRequestError,
+    VLLMPolicy,
+    VLLMService,
+    WeightSyncError,
+)
 
 from .conftest import CPUS_PER_REPLICA, ENGINE_KWARGS, hf_token_logprobs
 
@@ -136,3 +142,53 @@ def test_a_new_replica_gets_the_live_adapters_before_traffic(lora_service, tiny_
     finally:
         lora_service.remove_replicas(1)
         lora_service.remove_lora("kept")
+
+
+def perturb_adapter(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+
+
+def test_adapter_pushes_serve_each_version_and_keep_the_last_k(lora_service, tiny_model, tmp_path):
+    from torchrl_vllm_ext.weight_sync.adapters import AdapterSync
+
+    trainer = make_adapter(tiny_model, tmp_path / "init", seed=31)
+    expected = {}
+    with AdapterSync(lora_service, "policy", keep=2) as sync:
+        policy = VLLMPolicy(lora_service, generate=False, lora=sync)
+        td = TensorDict({("tokens", "full"): torch.tensor([SEQUENCE])}, batch_size=[1])
+        for version in (1, 2, 3):
+            perturb_adapter(trainer, seed=100 + version)
+            report = sync.push(trainer, version)
+            expected[version] = hf_token_logprobs(trainer, SEQUENCE)
+            assert report.lora_name == f"policy@{version}" == sync.current
+            got = policy(td.clone()).get(("log_probs", "full"))[0, 1:]
+            torch.testing.assert_close(got, expected[version], atol=1e-4, rtol=0)
+        assert sync.live_versions == ["2", "3"] and report.retired == ["1"]
+        assert "policy@1" not in lora_service.list_loras()
+        # Work pinned to an older live version still gets that version.
+        torch.testing.assert_close(scored(lora_service, "policy@2"), expected[2], atol=1e-4, rtol=0)
+        # Generation tags each sample with the adapter version that made it.
+        sampler = VLLMPolicy(lora_service, lora=sync, sampling_params={"max_tokens": 2})
+        out = sampler(
+            TensorDict({("tokens", "prompt"): torch.tensor([SEQUENCE[:4]])}, batch_size=[1])
+        )
+        assert out.get(("vllm", "lora")).tolist() == ["policy@3"]
+        # Bad pushes are refused before any replica is touched.
+        before = lora_service.list_loras()
+        bad = trainer.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
+        with torch.no_grad():
+            saved = bad.clone()
+            bad[0, 0] = float("nan")
+        with pytest.raises(WeightSyncError, match="NaN"):
+            sync.push(trainer, 4)
+        with torch.no_grad():
+            bad.copy_(saved)
+        other_rank = make_adapter(tiny_model, tmp_path / "r4", seed=5, rank=4)
+        with pytest.raises(WeightSyncError, match="r=4"):
+            sync.push(other_rank, 5)
+        assert lora_service.list_loras() == before and sync.current == "policy@3"
+    assert not any(n.startswith("policy@") for n in lora_service.list_loras())

@@ -80,9 +80,10 @@ class PolicyOptions:
     """An int per element under this key seeds that element's sampling."""
     timeout: float | None = None
     """Seconds per call (the requests are aborted in vLLM on expiry)."""
-    lora: str | None = None
+    lora: Any = None
     """A LoRA adapter the service serves (``service.add_lora(name, path)``): generate and
-    score with it; None: the base weights."""
+    score with it; an :class:`~torchrl_vllm_ext.weight_sync.adapters.AdapterSync`: its
+    newest pushed version at each call; None: the base weights."""
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     """Extra ``apply_chat_template`` arguments (history mode)."""
     tokens_key: str = "tokens"

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
-from tensordict import LazyStackedTensorDict, TensorDictBase, set_list_to_stack
+from tensordict import LazyStackedTensorDict, NonTensorData, TensorDictBase, set_list_to_stack
 from tensordict.nn import TensorDictModuleBase
 
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
@@ -32,6 +32,7 @@ class _Call(NamedTuple):
     td: TensorDictBase
     read: inputs.PolicyInput
     params: dict | list[dict]
+    lora: str | None = None
 
 
 class VLLMPolicy(TensorDictModuleBase):
@@ -179,7 +180,7 @@ class VLLMPolicy(TensorDictModuleBase):
         """
         call = self._prepare(tensordict, sampling_overrides)
         batch = self.service.generate_flat(
-            call.read.token_ids, call.params, timeout=self.timeout, lora=self.lora
+            call.read.token_ids, call.params, timeout=self.timeout, lora=call.lora
         )
         return self._finish(call, batch)
 
@@ -188,7 +189,7 @@ class VLLMPolicy(TensorDictModuleBase):
         with set_list_to_stack(True):
             call = self._prepare(tensordict, sampling_overrides)
         batch = await self.service.agenerate_flat(
-            call.read.token_ids, call.params, timeout=self.timeout, lora=self.lora
+            call.read.token_ids, call.params, timeout=self.timeout, lora=call.lora
         )
         with set_list_to_stack(True):
             return self._finish(call, batch)
@@ -217,7 +218,9 @@ class VLLMPolicy(TensorDictModuleBase):
             ),
         )
         inputs.check_vocab(read.token_ids, key, self._vocab_max())
-        return _Call(td, read, self._params(td, overrides, len(read.token_ids)))
+        # An AdapterSync gives its newest version, fixed for this call.
+        lora = self.lora if self.lora is None or isinstance(self.lora, str) else self.lora.current
+        return _Call(td, read, self._params(td, overrides, len(read.token_ids)), lora)
 
     def _vocab_max(self) -> int | None:
         if self._max_token_id is None:
@@ -276,6 +279,8 @@ class VLLMPolicy(TensorDictModuleBase):
                 add_text(out, batch, read.texts, read.histories, self.num_samples or 1, eos, keys)
             if not self.return_log_probs:
                 out = _without(out, keys.log_probs)
+            if call.lora is not None:  # which adapter version made each sample
+                _tag(out, (keys.extra, "lora"), call.lora)
         shape = td.batch_size
         if self.num_samples is not None:
             return _shaped(out, torch.Size([*shape, self.num_samples]))
@@ -291,6 +296,16 @@ def _without(out, key: str):
             del row[key]
         return out
     return out.exclude(key)
+
+
+def _tag(out, key, value: str) -> None:
+    """Write the string ``value`` under ``key`` for every sample of the output."""
+    if isinstance(out, list):
+        shared = NonTensorData(value)
+        for row in out:
+            row.set(key, shared)
+    else:
+        out.set(key, NonTensorData(value, batch_size=out.batch_size))
 
 
 def _merge(td: TensorDictBase, out, out_keys: list) -> TensorDictBase:

@@ -1,0 +1,220 @@
+"""AdapterSync: push a trainer's LoRA adapter, not its weights, as a new adapter version.
+
+RL with LoRA trains a small adapter over a frozen base: a push is the adapter's tensors
+(a few percent of the model's bytes), which vLLM loads beside the base without a pause.
+
+1. validate: the adapter's tensors (PEFT names), rank and target modules must match the
+   first push (the replicas' LoRA slots are sized once) and every value must be finite;
+   otherwise :class:`~torchrl_vllm_ext.errors.WeightSyncError`, and nothing was written;
+2. write ``adapter_model.safetensors`` + ``adapter_config.json`` in a private directory
+   (tmpfs when there is one) and publish it by an atomic rename;
+3. ``service.add_lora(f"{name}@{version}", dir)`` on every replica (no pause: running
+   requests keep the version they started with);
+4. keep the last ``keep`` versions live (K = the collector's staleness bound + 1) and
+   retire older ones from the replicas and the disk.
+
+``current`` is the newest version's adapter name: ``VLLMPolicy(service, lora=sync)``
+samples with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torchrl_vllm_ext._files import fsync_path
+from torchrl_vllm_ext.errors import WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterReport:
+    """What one adapter push did."""
+
+    version: str
+    lora_name: str
+    """The adapter name requests use for this version."""
+    nbytes: int
+    seconds: float
+    retired: list[str]
+    """Versions taken off the replicas by this push."""
+
+
+def _default_root() -> Path:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="torchrl-vllm-adapters-", dir=base))  # 0700
+
+
+def adapter_tensors(adapter) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors, config)`` of a PEFT model's active adapter, as ``save_pretrained`` writes them.
+
+    ``adapter`` is a ``peft.PeftModel``, or a ``(state_dict, config)`` pair where the
+    state dict has PEFT's saved names and the config is a ``LoraConfig`` or its dict.
+    """
+    if isinstance(adapter, tuple):
+        tensors, config = adapter
+        config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        return dict(tensors), config
+    from peft import get_peft_model_state_dict
+
+    name = getattr(adapter, "active_adapter", "default")
+    config = adapter.peft_config[name]
+    return get_peft_model_state_dict(adapter, adapter_name=name), config.to_dict()
+
+
+def _spec(tensors: dict[str, torch.Tensor], config: dict) -> dict:
+    targets = config.get("target_modules")
+    return {
+        "r": config.get("r"),
+        "target_modules": sorted(targets) if isinstance(targets, list | set | tuple) else targets,
+        "tensors": {k: (tuple(t.shape), t.dtype) for k, t in tensors.items()},
+    }
+
+
+def check_adapter(tensors: dict[str, torch.Tensor], config: dict, expected: dict | None, max_rank):
+    """Raise :class:`WeightSyncError` naming what is wrong with this adapter push."""
+    spec = _spec(tensors, config)
+    if max_rank is not None and spec["r"] is not None and spec["r"] > max_rank:
+        raise WeightSyncError(
+            f"adapter rank r={spec['r']} exceeds the replicas' max_lora_rank={max_rank}; "
+            "launch the service with a larger max_lora_rank or train a smaller adapter."
+        )
+    if expected is not None:
+        for field in ("r", "target_modules"):
+            if spec[field] != expected[field]:
+                raise WeightSyncError(
+                    f"adapter {field}={spec[field]!r} differs from the first push's "
+                    f"{expected[field]!r}; push adapters of one LoRA config (or a new AdapterSync)."
+                )
+        missing = sorted(set(expected["tensors"]) - set(spec["tensors"]))
+        extra = sorted(set(spec["tensors"]) - set(expected["tensors"]))
+        if missing or extra:
+            raise WeightSyncError(
+                f"adapter tensors differ from the first push: missing {missing[:3]}, "
+                f"extra {extra[:3]}; push the same PEFT model's adapter."
+            )
+        for key, (shape, dtype) in spec["tensors"].items():
+            if (shape, dtype) != expected["tensors"][key]:
+                raise WeightSyncError(
+                    f"adapter tensor {key} is {list(shape)} {dtype}, the first push had "
+                    f"{list(expected['tensors'][key][0])} {expected['tensors'][key][1]}."
+                )
+    for key, t in tensors.items():
+        if not torch.isfinite(t).all():
+            raise WeightSyncError(f"adapter tensor {key} holds NaN or inf; nothing was pushed.")
+
+
+class AdapterSync:
+    """Push LoRA adapter versions to every replica of ``service`` (launched with
+    ``enable_lora=True``); see the module docstring.
+
+    Args:
+        service: the :class:`~torchrl_vllm_ext.VLLMService`.
+        name: adapter name prefix; version ``v`` is served as ``f"{name}@{v}"``.
+        keep: versions kept live (the staleness bound + 1).
+        storage_dir: where versions are written (default: a private tmpfs directory).
+    """
+
+    def __init__(self, service, name: str = "policy", *, keep: int = 2, storage_dir=None):
+        if keep < 1:
+            raise WeightSyncError(f"keep={keep} must be >= 1 (the newest version is live).")
+        self.service, self.name, self.keep = service, name, keep
+        self.root = Path(storage_dir) if storage_dir is not None else _default_root()
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._live: deque[str] = deque()  # versions, oldest first
+        self._spec: dict | None = None
+        self.version: str | None = None
+
+    @property
+    def current(self) -> str | None:
+        """The newest version's adapter name (None before the first push)."""
+        return None if self.version is None else self.lora_name(self.version)
+
+    def lora_name(self, version) -> str:
+        return f"{self.name}@{version}"
+
+    @property
+    def live_versions(self) -> list[str]:
+        return list(self._live)
+
+    def push(self, adapter, version) -> AdapterReport:
+        """Validate, write, publish and load ``adapter`` as ``version``; see the module doc."""
+        start = time.perf_counter()
+        version = str(version)
+        if version in self._live:
+            raise WeightSyncError(f"adapter version {version!r} is already live; push a new one.")
+        tensors, config = adapter_tensors(adapter)
+        tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+        max_rank = self.service.config.engine_kwargs.get("max_lora_rank", 16)
+        check_adapter(tensors, config, self._spec, max_rank)
+        path = self._write(tensors, config, version)
+        try:
+            self.service.add_lora(self.lora_name(version), path)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        self._spec = self._spec or _spec(tensors, config)
+        self._live.append(version)
+        self.version = version
+        retired = []
+        while len(self._live) > self.keep:
+            old = self._live.popleft()
+            self.service.remove_lora(self.lora_name(old))
+            shutil.rmtree(self.root / old, ignore_errors=True)
+            retired.append(old)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        report = AdapterReport(version, self.current, nbytes, time.perf_counter() - start, retired)
+        logger.debug(
+            "pushed adapter %s: %.1f MB in %.3fs", self.current, nbytes / 1e6, report.seconds
+        )
+        return report
+
+    def _write(self, tensors: dict[str, torch.Tensor], config: dict, version: str) -> str:
+        from safetensors.torch import save_file
+
+        staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=self.root))
+        save_file(tensors, str(staging / "adapter_model.safetensors"))
+        (staging / "adapter_config.json").write_text(json.dumps(config, default=_jsonable))
+        for f in staging.iterdir():
+            fsync_path(f)
+        final = self.root / version
+        os.replace(staging, final)  # published: a replica never sees half an adapter
+        fsync_path(self.root)
+        return str(final)
+
+    def close(self) -> None:
+        """Retire every live version and remove the storage directory."""
+        for version in list(self._live):
+            try:
+                self.service.remove_lora(self.lora_name(version))
+            except Exception:  # the service may already be gone
+                logger.debug("could not unload %s", self.lora_name(version), exc_info=True)
+        self._live.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> AdapterSync:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _jsonable(value):
+    if isinstance(value, set):
+        return sorted(value)
+    if hasattr(value, "value"):  # enums (PEFT's task type)
+        return value.value
+    return str(value)
+
+
+__all__ = ["AdapterReport", "AdapterSync", "adapter_tensors", "check_adapter"]
