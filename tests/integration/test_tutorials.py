@@ -95,3 +95,20 @@ def test_tensordict_notebook_outputs_documented_keys(tmp_path):
     assert summary["num_samples_batch_shape"] == [3, 4]
     assert summary["text_rows"] == 2
     assert summary["scoring_max_abs_diff"] < 1e-4
+
+
+def test_demo_with_a_lora_adapter_pushes_only_the_adapter(tmp_path):
+    steps = 25
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchrl_vllm_ext.cli", "demo", "--steps", str(steps),
+         "--replicas", "1", "--lora-rank", "8", "--output", str(tmp_path), "--no-progress"],
+        capture_output=True, text=True, timeout=600, env=child_env(), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((tmp_path / "metrics.json").read_text())["summary"]
+    assert s["transport"] == "adapter"
+    assert s["reward_end"] > s["reward_start"] + 0.25
+    # The replicas serve the trainer's adapter exactly: importance weights are 1.
+    assert s["max_abs_kl_to_engine"] < 1e-4
+    rollouts = TensorDict.load_memmap(tmp_path / "rollouts")
+    assert torch.equal(rollouts["weight_version"], rollouts["step"])

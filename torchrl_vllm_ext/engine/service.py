@@ -252,7 +252,11 @@ class VLLMService:
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter ``name`` from every replica."""
-        self.run(self._unload(self._adapters.remove(name)))
+        self.run(self.aremove_lora(name))
+
+    async def aremove_lora(self, name: str) -> None:
+        """Async :meth:`remove_lora` (on the service's loop)."""
+        await self._unload(self._adapters.remove(name))
 
     async def _unload(self, adapter) -> None:
         ready = [r for r in self._replicas.values() if r.state == "ready"]

@@ -48,6 +48,9 @@ class GRPOConfig:
     """Sampling temperature of the replicas (the trainer's log-probs assume 1.0)."""
     replicas: int = 2
     """vLLM replicas (Ray actors)."""
+    lora_rank: int = 0
+    """Train a PEFT LoRA adapter of this rank on every linear layer instead of all
+    weights, and push only the adapter (AdapterSync); 0: full weights."""
     kl_coef: float = 0.0
     """GRPOLoss's KL-to-reference weight (``kl_to_ref_coeff``); > 0 starts a reference
     service on the initial weights whose log-probs each rollout carries (0: off)."""

@@ -35,6 +35,9 @@ MAX_MODEL_LEN = 128
 CPU_KV_CACHE_BYTES = 64 << 20
 
 
+LORA_RANKS = (8, 16, 32, 64, 128, 256)  # vLLM's max_lora_rank values
+
+
 def engine_kwargs(cfg: GRPOConfig, *, gpu: bool) -> dict:
     """vLLM engine arguments of the demo's replicas."""
     kwargs = {
@@ -47,7 +50,23 @@ def engine_kwargs(cfg: GRPOConfig, *, gpu: bool) -> dict:
     }
     if not gpu:
         kwargs.update(enforce_eager=True, kv_cache_memory_bytes=CPU_KV_CACHE_BYTES)
+    if cfg.lora_rank:
+        rank = next((r for r in LORA_RANKS if r >= cfg.lora_rank), None)
+        if rank is None:
+            raise ConfigurationError(
+                f"--lora-rank {cfg.lora_rank} is above vLLM's {LORA_RANKS[-1]}."
+            )
+        kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=3)
     return kwargs
+
+
+def with_lora(model, rank: int):
+    """The model wrapped in a PEFT LoRA adapter of ``rank`` on every linear layer (the
+    trainer then trains and pushes only the adapter)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
+    return get_peft_model(model, config)
 
 
 def load_trainer_model(cfg: GRPOConfig):
@@ -107,6 +126,7 @@ def run_grpo(
     from tqdm.auto import tqdm
 
     from torchrl_vllm_ext import (
+        AdapterSync,
         ReferenceKL,
         TokenCountEnv,
         VLLMPolicy,
@@ -132,6 +152,8 @@ def run_grpo(
         sample_seeds=True,  # reproducible sampling whatever replica serves a row
     )
     restrict_vocabulary(model, env.task_token_ids)
+    if cfg.lora_rank:
+        model = with_lora(model, cfg.lora_rank)
     trainer = GRPOTrainer(
         model,
         tokenizer,
@@ -152,7 +174,10 @@ def run_grpo(
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         service, ref_service = launch_services(cfg, model_path, gpu, stack)
-        scheme = stack.enter_context(WeightSyncScheme(service, transport=cfg.transport))
+        if cfg.lora_rank:  # pushes carry the adapter only; the policy samples its newest
+            scheme = stack.enter_context(AdapterSync(service, "policy", keep=2))
+        else:
+            scheme = stack.enter_context(WeightSyncScheme(service, transport=cfg.transport))
         startup_s = time.perf_counter() - started
         logger.info(
             "%d replicas up in %.1f s%s; weight sync: %s",
@@ -182,6 +207,7 @@ def run_grpo(
             service,
             pad_output=True,
             tokenizer=tokenizer,
+            lora=scheme if cfg.lora_rank else None,
             sampling_params={
                 "max_tokens": cfg.answer_len,
                 "temperature": cfg.temperature,

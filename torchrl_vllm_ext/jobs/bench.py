@@ -29,6 +29,7 @@ BENCHMARKS = {
     "collect": ([], ["--rounds", "2", "--repeats", "1", "--overhead-rounds", "5"]),
     "faults": ([], ["--quick"]),
     "multiturn": ([], ["--sessions", "9", "--turns", "3", "--repeats", "1"]),
+    "lora": ([], ["--hidden", "256", "--layers", "8", "--repeats", "2"]),
 }
 RATIO_WORDS = ("ratio", "_vs_", "_over_", "speedup", "fraction", "share", "hit_rate")
 

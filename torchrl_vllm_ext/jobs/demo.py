@@ -26,6 +26,7 @@ FLAGS = {
     "lr": "--lr",
     "entropy_coeff": "--entropy-coeff",
     "kl_coef": "--kl-coef",
+    "lora_rank": "--lora-rank",
     "ref_replicas": "--ref-replicas",
     "seed": "--seed",
     "dtype": "--dtype",
