@@ -176,10 +176,10 @@ class FakeService:
             out.append(request(p, [(p[-1] + 1 + k + np.arange(m)) % 400 for k in range(n)]))
         return out
 
-    def generate_flat(self, prompts, params, timeout=None, routing=None):
+    def generate_flat(self, prompts, params, timeout=None, routing=None, lora=None):
         return RequestBatch.from_requests(self.generate_batch(prompts, params, timeout=timeout))
 
-    async def agenerate_flat(self, prompts, params, timeout=None, routing=None):
+    async def agenerate_flat(self, prompts, params, timeout=None, routing=None, lora=None):
         await asyncio.sleep(0)
         return self.generate_flat(prompts, params, timeout=timeout)
 

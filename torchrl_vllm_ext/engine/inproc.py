@@ -294,8 +294,9 @@ class InprocEngine(Engine):
             return
         added: list[str] = []
         try:
+            lora = {"lora_request": batch.lora_request} if batch.lora_request else {}
             for prompt, sp, rid, future in zip(*batch[:4], strict=True):
-                self._engine.add_request(rid, prompt, sp, lora_request=batch.lora_request)
+                self._engine.add_request(rid, prompt, sp, **lora)
                 self._waiters[rid] = future
                 added.append(rid)
         except Exception:
