@@ -36,6 +36,7 @@ import torch
 
 from torchrl_vllm_ext._files import fsync_path
 from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.weight_sync.slots import default_root
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,6 @@ class AdapterReport:
     pause_s: dict[int, float] = field(default_factory=dict)
     """Generation pauses per replica: none (vLLM loads an adapter while serving); the
     field mirrors ``SyncReport``."""
-
-
-def _default_root() -> Path:
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix="torchrl-vllm-adapters-", dir=base))  # 0700
 
 
 def adapter_tensors(adapter, names: dict | None = None) -> tuple[dict[str, torch.Tensor], dict]:
@@ -160,7 +156,9 @@ class AdapterSync:
         if keep < 1:
             raise WeightSyncError(f"keep={keep} must be >= 1 (the newest version is live).")
         self.service, self.name, self.keep = service, name, keep
-        self.root = Path(storage_dir) if storage_dir is not None else _default_root()
+        self.root = (
+            Path(storage_dir) if storage_dir is not None else default_root("torchrl-vllm-adapters-")
+        )
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._live: deque[str] = deque()  # versions, oldest first
         self._spec: dict | None = None

@@ -31,10 +31,10 @@ SLOTS = ("A", "B")
 CURRENT = "current.json"
 
 
-def default_root() -> Path:
+def default_root(prefix: str = "torchrl-vllm-weights-") -> Path:
     """A private directory on tmpfs when there is one (page-cache speed), else the temp dir."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix="torchrl-vllm-weights-", dir=base))  # mkdtemp: 0700
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))  # mkdtemp: 0700
 
 
 def _key(name: str) -> str:
