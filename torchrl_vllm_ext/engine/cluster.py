@@ -22,10 +22,17 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT, ENGINE_ENV_DEFAULTS
-from torchrl_vllm_ext.errors import InsufficientResourcesError
+from torchrl_vllm_ext.errors import InsufficientResourcesError, ReplicaDeadError
 from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV
 
 logger = logging.getLogger(__name__)
+
+DEATH_ERRORS = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.ActorUnavailableError,
+    ReplicaDeadError,
+)
+"""What a call to a replica actor raises when the replica (or its engine) is gone."""
 
 
 def ensure_ray(

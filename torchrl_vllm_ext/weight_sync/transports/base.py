@@ -23,17 +23,13 @@ from typing import Any, ClassVar
 import ray
 import torch
 
-from torchrl_vllm_ext.errors import ReplicaDeadError, WeightSyncError
+from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS
+from torchrl_vllm_ext.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
 Replicas = list[tuple[int, Any]]
 """``(replica id, Ray actor handle)`` of the replicas a push reaches."""
-_DEATH_ERRORS = (
-    ray.exceptions.RayActorError,
-    ray.exceptions.ActorUnavailableError,
-    ReplicaDeadError,
-)
 
 
 @dataclass(frozen=True)
@@ -67,7 +63,7 @@ async def fan_out(replicas: Replicas, call: Callable[[Any], Any], what: str) -> 
     answers = await asyncio.gather(*refs, return_exceptions=True)
     out = Outcomes()
     for (rid, _), answer in zip(replicas, answers, strict=True):
-        if isinstance(answer, _DEATH_ERRORS):
+        if isinstance(answer, DEATH_ERRORS):
             logger.warning("replica %d died during %s (%s)", rid, what, type(answer).__name__)
             out.dead.append(rid)
         elif isinstance(answer, BaseException):
