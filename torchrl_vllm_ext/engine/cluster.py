@@ -35,6 +35,13 @@ DEATH_ERRORS = (
 """What a call to a replica actor raises when the replica (or its engine) is gone."""
 
 
+def actor_cause(error: BaseException) -> BaseException:
+    """The exception an actor method raised, out of Ray's ``RayTaskError`` wrapper."""
+    if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
+        return error.cause
+    return error
+
+
 def ensure_ray(
     address: str | None = None, num_cpus: float | None = None, *, log_to_driver: bool = True
 ) -> bool:

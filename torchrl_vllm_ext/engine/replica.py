@@ -221,11 +221,14 @@ class VLLMReplica:
         finally:
             self._outstanding -= len(prompts)
             self._inflight.difference_update(request_ids)
-            switched = {
-                key: self._end_version_from.pop(key)
-                for key in [k for k in self._end_version_from if k[0] in set(request_ids)]
-            }
+            switched = self._take_switches(request_ids) if self._end_version_from else None
         return pack_outputs(done, self.replica_id, version_start, self._version, switched)
+
+    def _take_switches(self, request_ids) -> dict[tuple[str, int], int]:
+        """Pop the version switches recorded for these requests' samples."""
+        ids = set(request_ids)
+        mine = [key for key in self._end_version_from if key[0] in ids]
+        return {key: self._end_version_from.pop(key) for key in mine}
 
     async def _abort(self, task: asyncio.Task, request_ids) -> None:
         task.cancel()

@@ -196,8 +196,9 @@ class VLLMService(BatchGeneration):
         try:
             rep.info = await asyncio.wait_for(rep.actor.start.remote(), cfg.startup_timeout)
         except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ReplicaStartupError):
-                raise e.cause from None  # the engine's own message, not Ray's traceback
+            cause = cluster.actor_cause(e)
+            if isinstance(cause, ReplicaStartupError):
+                raise cause from None  # the engine's own message, not Ray's traceback
             raise
         if self._limits is None:
             self._limits = rep.info
@@ -228,12 +229,11 @@ class VLLMService(BatchGeneration):
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         if failed:  # no replica keeps it: the name serves what it served before
             await self._unload(adapter)
-            self._adapters.remove(name)
             if previous is not None:
                 self._adapters.put(previous)
-            raise (
-                failed[0].cause if isinstance(failed[0], ray.exceptions.RayTaskError) else failed[0]
-            )
+            else:
+                self._adapters.remove(name)
+            raise cluster.actor_cause(failed[0])
         if previous is not None:
             await self._unload(previous)
         return adapter.lora_id

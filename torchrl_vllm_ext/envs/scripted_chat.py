@@ -16,7 +16,9 @@ the engine sampled in the earlier turns; nothing is re-tokenised.
 from __future__ import annotations
 
 import torch
-from tensordict import NonTensorStack, TensorDictBase, lazy_stack
+from tensordict import NonTensorStack, TensorDict, TensorDictBase, lazy_stack
+from torchrl.data import Bounded
+from torchrl.data.llm import History
 from torchrl.envs import Transform
 
 SENTINEL = "\x00reply\x00"
@@ -64,10 +66,9 @@ class ScriptedChat(Transform):
         self.tokenizer = tokenizer
         self.queries, self.follow_ups, self.turns = list(queries), list(follow_ups), turns
         self._resets = 0
+        self._turn_tokens: dict[tuple[str, bool], torch.Tensor] = {}
 
     def transform_observation_spec(self, observation_spec):
-        from torchrl.data import Bounded
-
         observation_spec[("tokens", "prompt")] = Bounded(
             0,
             len(self.tokenizer),
@@ -85,8 +86,6 @@ class ScriptedChat(Transform):
         picked = [self.queries[(start + i) % len(self.queries)] for i in range(n)]
         query = NonTensorStack.from_list(picked).reshape(batch) if batch else picked[0]
         if tensordict is None:
-            from tensordict import TensorDict
-
             tensordict = TensorDict(batch_size=batch)
         tensordict.set("query", query)
         return tensordict
@@ -101,6 +100,14 @@ class ScriptedChat(Transform):
             ids.append(torch.tensor(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
         _set_ragged(tensordict_reset, ("tokens", "prompt"), ids)
         return tensordict_reset
+
+    def _user_turn(self, message: str, after_eos: bool) -> torch.Tensor:
+        """:func:`user_turn_tokens`, rendered once per message (every row repeats them)."""
+        key = (message, after_eos)
+        if key not in self._turn_tokens:
+            ids = user_turn_tokens(self.tokenizer, message, after_eos=after_eos)
+            self._turn_tokens[key] = torch.tensor(ids, dtype=torch.int64)
+        return self._turn_tokens[key]
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase):
         history = next_tensordict.get("history")  # ChatEnv: prompt = the finished turn
@@ -118,17 +125,13 @@ class ScriptedChat(Transform):
                     new_tokens.append(tokens[i])
                 continue
             message = self.follow_ups[min(replies - 1, len(self.follow_ups) - 1)]
-            from torchrl.data.llm import History
-
             new_prompts.append(
                 prompt.append(History(role="user", content=message), inplace=False, dim=-1)
             )
             if tokens is not None:
                 ids = tokens[i]
-                extra = user_turn_tokens(
-                    self.tokenizer, message, after_eos=bool(len(ids) and int(ids[-1]) == eos)
-                )
-                new_tokens.append(torch.cat([ids, torch.tensor(extra, dtype=ids.dtype)]))
+                extra = self._user_turn(message, after_eos=bool(len(ids) and int(ids[-1]) == eos))
+                new_tokens.append(torch.cat([ids, extra.to(ids.dtype)]))
         history.prompt = lazy_stack(new_prompts)
         next_tensordict.set("history", history)
         if tokens is not None:

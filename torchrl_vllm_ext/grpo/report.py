@@ -114,8 +114,8 @@ def plot_run(steps: list[dict], summary: dict, path: Path, *, window: int = 10) 
         right.set_ylabel("entropy of the samples (nats)")
         handles.append(line)
     top.legend(handles=handles, loc="lower right")
-    # Step 0 pays the engines' warm-up (~10x a later step): it is drawn apart, as a
-    # note, so the later steps' phases keep a readable scale.
+    # Step 0 pays one-time costs when there are any (first calls, a GPU's graph capture):
+    # it is drawn apart, as a note, so the later steps' phases keep a readable scale.
     warm, later = steps[0], steps[1:] or steps[:1]
     lx = [s["step"] for s in later]
     bottom_acc = [0.0] * len(later)
@@ -127,7 +127,7 @@ def plot_run(steps: list[dict], summary: dict, path: Path, *, window: int = 10) 
     bottom.set_ylim(0, 1.15 * max(bottom_acc) or 1.0)
     warm_s = sum(warm[f"{p}_s"] for p in PHASES)
     bottom.set_title(
-        f"step time; step 0 (warm-up, not drawn): {warm_s:.1f} s", fontsize="small", loc="left"
+        f"step time; step 0 (first step, not drawn): {warm_s:.2f} s", fontsize="small", loc="left"
     )
     bottom.set_ylabel("step time (s)")
     bottom.set_xlabel("GRPO step")

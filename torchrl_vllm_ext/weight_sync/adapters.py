@@ -101,8 +101,11 @@ def _spec(tensors: dict[str, torch.Tensor], config: dict) -> dict:
     }
 
 
-def check_adapter(tensors: dict[str, torch.Tensor], config: dict, expected: dict | None, max_rank):
-    """Raise :class:`WeightSyncError` naming what is wrong with this adapter push."""
+def check_adapter(
+    tensors: dict[str, torch.Tensor], config: dict, expected: dict | None, max_rank
+) -> dict:
+    """Raise :class:`WeightSyncError` naming what is wrong with this adapter push; else
+    return its spec (what later pushes must match)."""
     spec = _spec(tensors, config)
     if max_rank is not None and spec["r"] is not None and spec["r"] > max_rank:
         raise WeightSyncError(
@@ -136,6 +139,7 @@ def check_adapter(tensors: dict[str, torch.Tensor], config: dict, expected: dict
         for key, t in tensors.items():
             if not torch.isfinite(t).all():
                 raise WeightSyncError(f"adapter tensor {key} holds NaN or inf; nothing was pushed.")
+    return spec
 
 
 class AdapterSync:
@@ -190,7 +194,7 @@ class AdapterSync:
             self._names = saved_names(adapter, tensors)
         tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
         max_rank = self.service.config.engine_kwargs.get("max_lora_rank", 16)
-        check_adapter(tensors, config, self._spec, max_rank)
+        spec = check_adapter(tensors, config, self._spec, max_rank)
         marks = [time.perf_counter()]
         path = self._write(tensors, config, version)
         marks.append(time.perf_counter())
@@ -203,7 +207,7 @@ class AdapterSync:
         # ("vllm", "weight_version"), which staleness filters and the collector read.
         self.service.set_weight_version(version)
         marks.append(time.perf_counter())
-        self._spec = self._spec or _spec(tensors, config)
+        self._spec = self._spec or spec
         self._live.append(version)
         self.version = version
         retired = []

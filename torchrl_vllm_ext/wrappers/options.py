@@ -63,7 +63,7 @@ class PolicyOptions:
     empty TensorDict shaped like the input."""
     prefer_tokens: bool = False
     """History mode (TorchRL's name): generate from ``(tokens_key, "prompt")`` when the
-    input has it (``ChatEnv(with_tokenizer=True)`` keeps it), not from the re-tokenised
+    input has it (:class:`~torchrl_vllm_ext.envs.ScriptedChat` keeps it), not from the re-tokenised
     history: multi-turn token-in / token-out, so a turn's context holds exactly the
     tokens earlier turns sampled."""
     tokenizer: Any = None

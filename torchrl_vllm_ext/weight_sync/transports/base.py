@@ -20,10 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import ray
 import torch
 
-from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS
+from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS, actor_cause
 from torchrl_vllm_ext.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -76,8 +75,7 @@ async def fan_out(replicas: Replicas, call: Callable[[Any], Any], what: str) -> 
 def first_error(outcomes: Outcomes) -> tuple[int, BaseException, BaseException]:
     """The first failed replica: its id, the error, and the replica-side cause inside it."""
     rid, error = next(iter(outcomes.errors.items()))
-    cause = error.cause if isinstance(error, ray.exceptions.RayTaskError) else error
-    return rid, error, cause
+    return rid, error, actor_cause(error)
 
 
 def raise_errors(outcomes: Outcomes, what: str, version: str) -> None:
