@@ -71,6 +71,20 @@ class ReplicaInfo:
 
 
 @dataclass(frozen=True)
+class ReplicaDeath:
+    """A replica the service lost (its actor, engine or node died)."""
+
+    replica_id: int
+    """Id of the replica (a restart reuses it)."""
+    node_ip: str | None
+    """Node it ran on."""
+    at: float
+    """``time.time()`` when the service noticed."""
+    cause: str
+    """The error that told the service, as ``Type: message``."""
+
+
+@dataclass(frozen=True)
 class ReplicaStats:
     """A replica's load, read from vLLM's scheduler statistics and the actor's own counters."""
 

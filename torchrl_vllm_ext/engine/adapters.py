@@ -4,11 +4,17 @@ vLLM identifies an adapter by an int id and loads it from a PEFT directory
 (``adapter_config.json`` + ``adapter_model.safetensors``). The service keeps one
 registry: every replica holds every live adapter (a restarted or added replica gets them
 before it takes traffic), and a request names its adapter.
+
+A replica on another node than the driver cannot read the driver's directory (unless it
+is shared): the service ships the files (a few MB) through Ray's object store and the
+replica writes them to a private directory of its own (:func:`stage_files`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +30,9 @@ class Adapter:
     lora_id: int
     """vLLM's int id (unique within the service, never reused)."""
     path: str
-    """PEFT adapter directory, as every replica's node sees it."""
+    """PEFT adapter directory on the driver's node."""
+    shared: bool = False
+    """Whether every node sees ``path`` (a shared file system): then no files are shipped."""
 
 
 def check_adapter_dir(path: str | Path) -> str:
@@ -53,16 +61,18 @@ class AdapterRegistry:
         self._live: dict[str, Adapter] = {}
         self._ids = itertools.count(1)  # vLLM reserves 0 for "no adapter"
 
-    def add(self, name: str, path: str | Path) -> tuple[Adapter, Adapter | None]:
+    def add(
+        self, name: str, path: str | Path, shared: bool = False
+    ) -> tuple[Adapter, Adapter | None]:
         """Register ``name`` at ``path`` under a new id (also when the name is re-added);
         returns it and the adapter it replaces, if any."""
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"adapter name {name!r} must be a non-empty string.")
         previous = self._live.get(name)
-        return self._add(name, check_adapter_dir(path)), previous
+        return self._add(name, check_adapter_dir(path), shared), previous
 
-    def _add(self, name: str, path: str) -> Adapter:
-        adapter = Adapter(name, next(self._ids), path)
+    def _add(self, name: str, path: str, shared: bool = False) -> Adapter:
+        adapter = Adapter(name, next(self._ids), path, shared)
         self._live[name] = adapter
         return adapter
 
@@ -88,4 +98,21 @@ class AdapterRegistry:
         return list(self._live.values())
 
 
-__all__ = ["Adapter", "AdapterRegistry", "check_adapter_dir"]
+def read_files(adapter: Adapter) -> dict[str, bytes]:
+    """The adapter directory's files (name -> bytes), to ship to another node."""
+    return {f.name: f.read_bytes() for f in sorted(Path(adapter.path).iterdir()) if f.is_file()}
+
+
+def stage_files(adapter: Adapter, files: dict[str, bytes], root: Path) -> Adapter:
+    """Write shipped files under ``root`` (published by a rename); the adapter as loaded
+    from there."""
+    final = root / str(adapter.lora_id)
+    staging = root / f".{adapter.lora_id}.partial"
+    staging.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for name, data in files.items():
+        (staging / Path(name).name).write_bytes(data)  # .name: no path from the wire
+    os.replace(staging, final)
+    return dataclasses.replace(adapter, path=str(final))
+
+
+__all__ = ["Adapter", "AdapterRegistry", "check_adapter_dir", "read_files", "stage_files"]

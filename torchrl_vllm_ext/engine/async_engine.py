@@ -106,6 +106,15 @@ class AsyncEngine(Engine):
     async def resume(self) -> None:
         await self._llm.resume_generation()
 
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        await self._llm.sleep(level, mode)
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        await self._llm.wake_up(tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._llm.is_sleeping()
+
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None):
         return await self._llm.collective_rpc(method, args=args, kwargs=kwargs)
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchrl_vllm_ext._compat import PAUSE_MODES, EngineLimits, PauseMode, SchedulerLoad
-from torchrl_vllm_ext.errors import InvalidRequestError
+from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
 
 
 def check_pause_mode(mode: str) -> PauseMode:
@@ -100,6 +100,22 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def resume(self) -> None:
         """Resume scheduling after :meth:`pause`."""
+
+    async def sleep(self, level: int, mode: PauseMode) -> None:
+        """Free accelerator memory (vLLM sleep mode): level 1 offloads the weights to host
+        memory and drops the KV cache; level 2 drops both (push weights after waking)."""
+        raise ConfigurationError(
+            f"{type(self).__name__} has no sleep mode: it needs GPU replicas launched with "
+            "enable_sleep_mode=True (vLLM's AsyncLLM; vLLM-CPU has no sleep mode)."
+        )
+
+    async def wake_up(self, tags: list[str] | None) -> None:
+        """Restore what :meth:`sleep` freed: all of it, or only ``tags`` (``weights``,
+        ``kv_cache``); scheduling resumes once everything is awake."""
+        await self.sleep(0, "abort")  # the same refusal
+
+    async def is_sleeping(self) -> bool:
+        return False
 
     @abc.abstractmethod
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None):

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -22,6 +22,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT, ENGINE_ENV_DEFAULTS
+from torchrl_vllm_ext.engine import placement
 from torchrl_vllm_ext.errors import InsufficientResourcesError, ReplicaDeadError
 from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV
 
@@ -132,18 +133,50 @@ class ReplicaResources:
     """tensor_parallel_size x pipeline_parallel_size."""
     cpus: float
     """CPUs reserved per replica when there are no GPUs (fractions allowed)."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """Custom resources the replica's first bundle asks for (``replica_resources``)."""
 
-    def bundles(self) -> list[dict[str, float]]:
+    def bundles(self, node_ip: str | None = None) -> list[dict[str, float]]:
+        """The placement group's bundles; ``node_ip`` pins every bundle to that node."""
         if self.use_gpu:
-            return [{"GPU": 1.0, "CPU": 1.0} for _ in range(self.num_workers)]
-        return [{"CPU": self.cpus}]
+            bundles = [{"GPU": 1.0, "CPU": 1.0} for _ in range(self.num_workers)]
+        else:
+            bundles = [{"CPU": self.cpus}]
+        bundles[0].update(self.extra)
+        if node_ip is not None:
+            for bundle in bundles:
+                bundle[placement.node_resource(node_ip)] = placement.NODE_PIN
+        return bundles
+
+    def need(self) -> dict[str, float]:
+        """What one replica reserves on its node: every bundle summed."""
+        total: dict[str, float] = {}
+        for bundle in self.bundles():
+            for key, amount in bundle.items():
+                total[key] = total.get(key, 0.0) + amount
+        return total
 
 
-def plan_resources(tp: int, pp: int, cpus_per_replica: float | None) -> ReplicaResources:
+def plan_resources(
+    tp: int, pp: int, cpus_per_replica: float | None, extra: dict[str, float] | None = None
+) -> ReplicaResources:
     """Decide GPU vs CPU placement from what the cluster has."""
     use_gpu = ray.cluster_resources().get("GPU", 0) > 0
     cpus = cpus_per_replica if cpus_per_replica is not None else 1.0
-    return ReplicaResources(use_gpu=use_gpu, num_workers=tp * pp, cpus=float(cpus))
+    return ReplicaResources(
+        use_gpu=use_gpu, num_workers=tp * pp, cpus=float(cpus), extra=dict(extra or {})
+    )
+
+
+def live_nodes() -> list[placement.Node]:
+    """The cluster's live nodes with their free resources, in Ray's order."""
+    # A DeveloperAPI: Ray's public API has free resources for the whole cluster only.
+    free = ray._private.state.available_resources_per_node()
+    return [
+        placement.Node(ip=n["NodeManagerAddress"], free=dict(free.get(n["NodeID"], {})))
+        for n in ray.nodes()
+        if n["Alive"]
+    ]
 
 
 def check_capacity(res: ReplicaResources, count: int, *, available: bool) -> None:
@@ -165,15 +198,18 @@ def check_capacity(res: ReplicaResources, count: int, *, available: bool) -> Non
         )
 
 
-async def reserve(res: ReplicaResources, name: str, timeout: float) -> PlacementGroup:
-    """Create the replica's placement group and wait until it is placed."""
-    pg = placement_group(res.bundles(), strategy="STRICT_PACK", name=name)
+async def reserve(
+    res: ReplicaResources, name: str, timeout: float, node_ip: str | None = None
+) -> PlacementGroup:
+    """Create the replica's placement group (on ``node_ip`` if given) and wait until it is placed."""
+    bundles = res.bundles(node_ip)
+    pg = placement_group(bundles, strategy="STRICT_PACK", name=name)
     try:
         await asyncio.wait_for(pg.ready(), timeout)
     except TimeoutError:
         remove_placement_group(pg)
         raise InsufficientResourcesError(
-            f"placement group {name} with bundles {res.bundles()} was not placed within "
+            f"placement group {name} with bundles {bundles} was not placed within "
             f"{timeout:.0f}s; the cluster lacks free resources for another replica."
         ) from None
     return pg

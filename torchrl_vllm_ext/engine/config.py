@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchrl_vllm_ext.engine.placement import PLACEMENTS
 from torchrl_vllm_ext.engine.routing import validate_strategies
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.hf import model_dir
@@ -52,6 +53,13 @@ class ServiceConfig:
     """Routing strategies, tried in order (see :mod:`torchrl_vllm_ext.engine.routing`)."""
     cpus_per_replica: float | None = None
     """CPUs reserved per replica without GPUs (fractions allowed); default 1."""
+    placement: str = "any"
+    """Which node each replica goes to: ``any`` (Ray decides), ``pack`` (fill one node
+    first), ``spread`` (fewest replicas first) or ``strict_spread`` (one per node); see
+    :mod:`torchrl_vllm_ext.engine.placement`."""
+    replica_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources each replica reserves, e.g. ``{"rollout": 0.01}`` to keep
+    replicas on the nodes started with ``--resources '{"rollout": 1}'``."""
     weight_version: str = "0"
     """Weight version label the replicas start with."""
     engine_process: bool = field(default_factory=lambda: _env_flag(ENGINE_PROCESS_ENV))
@@ -106,6 +114,15 @@ class ServiceConfig:
         for name in ("startup_timeout", "placement_timeout", "shutdown_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigurationError(f"{name}={getattr(self, name)!r} must be > 0 seconds.")
+        if self.placement not in PLACEMENTS:
+            raise ConfigurationError(f"placement={self.placement!r} is not one of {PLACEMENTS}.")
+        self.replica_resources = dict(self.replica_resources)
+        for key, amount in self.replica_resources.items():
+            if not isinstance(key, str) or not isinstance(amount, int | float) or amount <= 0:
+                raise ConfigurationError(
+                    f"replica_resources[{key!r}]={amount!r} is invalid; give resource name -> "
+                    "amount > 0, e.g. {'rollout': 0.01}."
+                )
         model_dir(self.model)
         self.model = str(self.model)
         self.routing = validate_strategies(self.routing)

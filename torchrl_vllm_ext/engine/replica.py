@@ -13,9 +13,11 @@ import importlib
 import inspect
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from torchrl_vllm_ext._compat import (
     engine_dead_errors,
@@ -23,7 +25,8 @@ from torchrl_vllm_ext._compat import (
     vllm_engine_api,
     vllm_validation_errors,
 )
-from torchrl_vllm_ext.engine.adapters import Adapter
+from torchrl_vllm_ext._files import private_dir
+from torchrl_vllm_ext.engine.adapters import Adapter, stage_files
 from torchrl_vllm_ext.engine.base import Engine, check_pause_mode, engine_class
 from torchrl_vllm_ext.engine.outputs import pack_outputs
 from torchrl_vllm_ext.engine.validation import make_sampling_params
@@ -123,6 +126,7 @@ class VLLMReplica:
         self._end_version_from: dict[tuple[str, int], int] = {}
         self._engine_class = engine_class(in_process)
         self._extension = _load_class(actor_extension)() if actor_extension else None
+        self._shipped: Path | None = None  # adapters shipped to this node (stage_files)
         self.engine: Engine | None = None
 
     async def start(self) -> ReplicaInfo:
@@ -239,8 +243,14 @@ class VLLMReplica:
             await self.engine.abort(list(request_ids))
 
     # ------------------------------------------------------------------ LoRA
-    async def add_lora(self, adapter: Adapter) -> None:
-        """Load a LoRA adapter (a PEFT directory) so requests can name it."""
+    async def add_lora(self, adapter: Adapter, files: dict[str, bytes] | None = None) -> str:
+        """Load a LoRA adapter (a PEFT directory) so requests can name it; returns the
+        directory it was loaded from. ``files``: the directory's files, shipped from a
+        driver on another node; written to a private directory here first."""
+        if files is not None:
+            if self._shipped is None:
+                self._shipped = private_dir("torchrl-vllm-replica-adapters-")
+            adapter = stage_files(adapter, files, self._shipped)
         request = lora_request(adapter.name, adapter.lora_id, adapter.path)
         try:
             await self._require_engine().add_lora(request)
@@ -250,9 +260,13 @@ class VLLMReplica:
                 f"from {adapter.path}: {root_cause(e)}; check its rank (<= max_lora_rank) and "
                 "target modules, and that the service was launched with enable_lora=True."
             ) from e
+        return adapter.path
 
     async def remove_lora(self, lora_id: int) -> bool:
-        return await self._require_engine().remove_lora(lora_id)
+        removed = await self._require_engine().remove_lora(lora_id)
+        if self._shipped is not None:
+            shutil.rmtree(self._shipped / str(lora_id), ignore_errors=True)
+        return removed
 
     async def list_loras(self) -> set[int]:
         return await self._require_engine().list_loras()
@@ -288,6 +302,16 @@ class VLLMReplica:
     async def resume(self) -> None:
         await self._require_engine().resume()
         self._paused = False
+
+    async def sleep(self, level: int, mode: str) -> None:
+        """Free the accelerator's memory (vLLM sleep mode; requests wait until woken)."""
+        await self._require_engine().sleep(level, check_pause_mode(mode))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._require_engine().wake_up(tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._require_engine().is_sleeping()
 
     async def get_weight_version(self) -> str:
         return await self._require_engine().get_weight_version()
@@ -376,6 +400,8 @@ class VLLMReplica:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        if self._shipped is not None:
+            shutil.rmtree(self._shipped, ignore_errors=True)
 
     def _require_engine(self) -> Engine:
         if self.engine is None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 import uuid
+from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +22,8 @@ import ray
 from tqdm.auto import tqdm
 
 from torchrl_vllm_ext._compat import PAUSE_MODES, vllm_engine_api
-from torchrl_vllm_ext.engine import cluster
-from torchrl_vllm_ext.engine.adapters import AdapterRegistry
+from torchrl_vllm_ext.engine import cluster, placement
+from torchrl_vllm_ext.engine.adapters import Adapter, AdapterRegistry, read_files
 from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.generation import BatchGeneration
@@ -35,7 +37,7 @@ from torchrl_vllm_ext.errors import (
     ReplicaStartupError,
     ServiceClosedError,
 )
-from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats
+from torchrl_vllm_ext.messages import ReplicaDeath, ReplicaInfo, ReplicaStats
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class WeightsProvider(Protocol):
 class _Replica:
     replica_id: int
     pg: Any
+    node: str | None = None  # the node it was placed on (planned, or reported once up)
     actor: Any = None
     info: ReplicaInfo | None = None
     state: str = "starting"  # starting -> ready -> (draining | dead -> starting) -> stopped
@@ -99,6 +102,9 @@ class VLLMService(BatchGeneration):
         self._res: cluster.ReplicaResources | None = None
         self._adapters = AdapterRegistry()
         self._limits: ReplicaInfo | None = None
+        self._deaths: list[ReplicaDeath] = []
+        self._driver_ip: str | None = None  # this process's Ray node
+        self._shipped: dict[int, ray.ObjectRef] = {}  # lora id -> its files, for other nodes
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -146,8 +152,12 @@ class VLLMService(BatchGeneration):
     async def _launch(self) -> None:
         cfg = self.config
         self._res = cluster.plan_resources(
-            cfg.tensor_parallel_size, cfg.pipeline_parallel_size, cfg.cpus_per_replica
+            cfg.tensor_parallel_size,
+            cfg.pipeline_parallel_size,
+            cfg.cpus_per_replica,
+            cfg.replica_resources,
         )
+        self._driver_ip = ray.util.get_node_ip_address()
         # The driver's first vLLM import (SamplingParams: ~4 s on 2 cores) runs while the
         # replicas start, not at the first request.
         importing = asyncio.ensure_future(asyncio.to_thread(vllm_engine_api))
@@ -158,8 +168,12 @@ class VLLMService(BatchGeneration):
 
     async def _start_many(self, count: int, desc: str) -> list[int]:
         cluster.check_capacity(self._res, count, available=True)
+        nodes = self._plan_nodes(count)
         ids = [next(self._ids) for _ in range(count)]
-        jobs = [asyncio.ensure_future(self._start_replica(rid)) for rid in ids]
+        jobs = [
+            asyncio.ensure_future(self._start_replica(rid, node))
+            for rid, node in zip(ids, nodes, strict=True)
+        ]
         try:
             with tqdm(total=count, desc=desc, unit="replica") as bar:
                 for job in asyncio.as_completed(jobs):
@@ -172,11 +186,21 @@ class VLLMService(BatchGeneration):
             raise
         return ids
 
-    async def _start_replica(self, rid: int, restart: bool = False) -> None:
+    def _plan_nodes(self, count: int, avoid: frozenset[str] = frozenset()) -> list[str | None]:
+        """The node of each of ``count`` new replicas, by the configured placement."""
+        strategy = self.config.placement
+        if strategy == "any":
+            return [None] * count
+        ours = Counter(
+            r.node for r in self._replicas.values() if r.node and r.state not in ("dead", "stopped")
+        )
+        return placement.plan(strategy, count, self._res.need(), cluster.live_nodes(), ours, avoid)
+
+    async def _start_replica(self, rid: int, node: str | None) -> None:
         name = f"{self.name}-r{rid}-{uuid.uuid4().hex[:4]}"
         cfg = self.config
-        pg = await cluster.reserve(self._res, name, timeout=cfg.placement_timeout)
-        rep = _Replica(replica_id=rid, pg=pg)
+        pg = await cluster.reserve(self._res, name, timeout=cfg.placement_timeout, node_ip=node)
+        rep = _Replica(replica_id=rid, pg=pg, node=node)
         rep.idle.set()
         self._replicas[rid] = rep  # registered first, so shutdown() finds it whatever happens
         rep.actor = (
@@ -200,31 +224,34 @@ class VLLMService(BatchGeneration):
             if isinstance(cause, ReplicaStartupError):
                 raise cause from None  # the engine's own message, not Ray's traceback
             raise
+        rep.node = rep.info.node_ip
         if self._limits is None:
             self._limits = rep.info
         for adapter in self._adapters.live():  # before it takes traffic
-            await rep.actor.add_lora.remote(adapter)
-        if restart:
-            # Bring the new engine to the live weights before it takes traffic.
-            provider = self._provider
-            if provider is not None and provider.version is not None:
-                await provider.bring_up(rep.actor, rid)
-            else:
-                await rep.actor.set_weight_version.remote(self._weight_version)
+            await self._load_lora(rep, adapter)
+        # A restarted or added replica starts from the checkpoint: bring it to the live
+        # weights before it takes traffic (the replica was created with the live label).
+        provider = self._provider
+        if provider is not None and provider.version is not None:
+            await provider.bring_up(rep.actor, rid)
         rep.state = "ready"
 
     # ------------------------------------------------------------------ LoRA adapters
-    def add_lora(self, name: str, path: str | Path) -> int:
+    def add_lora(self, name: str, path: str | Path, shared: bool = False) -> int:
         """Load the PEFT LoRA adapter in ``path`` on every replica as ``name``; returns
         vLLM's id for it. Re-adding a name loads the new files under a new id (requests
-        already running finish on the old one). Needs ``enable_lora=True`` at launch."""
-        return self.run(self._add_lora(name, path))
+        already running finish on the old one). Needs ``enable_lora=True`` at launch.
 
-    async def _add_lora(self, name: str, path) -> int:
-        adapter, previous = self._adapters.add(name, path)
+        Replicas on other nodes than this process get the files through Ray's object
+        store, unless ``shared`` says every node sees ``path`` (a shared file system).
+        """
+        return self.run(self._add_lora(name, path, shared))
+
+    async def _add_lora(self, name: str, path, shared: bool) -> int:
+        adapter, previous = self._adapters.add(name, path, shared)
         ready = [r for r in self._replicas.values() if r.state == "ready"]
         outcomes = await asyncio.gather(
-            *(r.actor.add_lora.remote(adapter) for r in ready), return_exceptions=True
+            *(self._load_lora(r, adapter) for r in ready), return_exceptions=True
         )
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         if failed:  # no replica keeps it: the name serves what it served before
@@ -238,6 +265,14 @@ class VLLMService(BatchGeneration):
             await self._unload(previous)
         return adapter.lora_id
 
+    def _load_lora(self, rep: _Replica, adapter: Adapter):
+        """``add_lora`` on one replica, with the files when its node cannot read the path."""
+        if adapter.shared or rep.node in (None, self._driver_ip):
+            return rep.actor.add_lora.remote(adapter)
+        if adapter.lora_id not in self._shipped:  # one copy in the object store per version
+            self._shipped[adapter.lora_id] = ray.put(read_files(adapter))
+        return rep.actor.add_lora.remote(adapter, self._shipped[adapter.lora_id])
+
     def remove_lora(self, name: str) -> None:
         """Unload adapter ``name`` from every replica."""
         self.run(self.aremove_lora(name))
@@ -247,6 +282,7 @@ class VLLMService(BatchGeneration):
         await self._unload(self._adapters.remove(name))
 
     async def _unload(self, adapter) -> None:
+        self._shipped.pop(adapter.lora_id, None)
         ready = [r for r in self._replicas.values() if r.state == "ready"]
         await asyncio.gather(
             *(r.actor.remove_lora.remote(adapter.lora_id) for r in ready), return_exceptions=True
@@ -322,7 +358,9 @@ class VLLMService(BatchGeneration):
         draining = rep.state == "draining"
         rep.state = "dead"
         self._router_state.sessions.forget(rid)  # its prefix cache is gone
-        logger.warning("replica %d died (%s: %s)", rid, type(error).__name__, error)
+        cause = f"{type(error).__name__}: {error}"
+        self._deaths.append(ReplicaDeath(rid, rep.node, time.time(), cause))
+        logger.warning("replica %d on node %s died (%s)", rid, rep.node, cause)
         if not draining and not self._closed:
             self._spawn(self._restart(rep))
 
@@ -331,7 +369,9 @@ class VLLMService(BatchGeneration):
         attempts = self.config.restart_attempts
         for attempt in range(attempts):
             try:
-                await self._start_replica(rep.replica_id, restart=True)
+                # Elsewhere first: if its node is lost, Ray may not know it for seconds.
+                avoid = frozenset({rep.node} if rep.node else ())
+                await self._start_replica(rep.replica_id, self._plan_nodes(1, avoid)[0])
                 logger.info("replica %d restarted", rep.replica_id)
                 return
             except Exception as e:
@@ -418,6 +458,14 @@ class VLLMService(BatchGeneration):
     def replica_info(self, replica_id: int) -> ReplicaInfo:
         return self._replicas[replica_id].info
 
+    def replica_states(self) -> dict[int, str]:
+        """Every replica the service holds: ``starting``, ``ready``, ``draining`` or ``dead``."""
+        return {rid: rep.state for rid, rep in sorted(self._replicas.items())}
+
+    def deaths(self) -> list[ReplicaDeath]:
+        """Every replica death the service noticed, oldest first (each is then restarted)."""
+        return list(self._deaths)
+
     @property
     def max_token_id(self) -> int | None:
         """Largest token id the engines accept (None before the first replica started)."""
@@ -454,6 +502,37 @@ class VLLMService(BatchGeneration):
 
     def resume(self) -> None:
         self.run(self._broadcast("resume"))
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Free the replicas' GPU memory for a colocated trainer (vLLM sleep mode).
+
+        Level 1 offloads the weights to host memory and drops the KV cache; level 2 drops
+        both: wake the weights, push, then wake the cache (:meth:`wake_up`). Requests sent
+        meanwhile wait. Needs GPU replicas launched with ``enable_sleep_mode=True``.
+        """
+        if level not in (1, 2):
+            raise ConfigurationError(f"sleep(level={level!r}): level must be 1 or 2.")
+        if mode not in PAUSE_MODES:
+            raise ConfigurationError(f"sleep mode {mode!r} is not one of {PAUSE_MODES}.")
+        if not (self.uses_gpu and self.config.engine_kwargs.get("enable_sleep_mode")):
+            raise ConfigurationError(
+                "sleep() needs GPU replicas launched with enable_sleep_mode=True "
+                f"(uses_gpu={self.uses_gpu}, enable_sleep_mode="
+                f"{self.config.engine_kwargs.get('enable_sleep_mode', False)}); vLLM-CPU has "
+                "no sleep mode."
+            )
+        self.run(self._broadcast("sleep", level, mode))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the replicas: everything, or only ``tags`` (``["weights"]``, then
+        ``["kv_cache"]`` after a push at sleep level 2)."""
+        if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
+            raise ConfigurationError(f"wake_up(tags={tags!r}): tags are 'weights', 'kv_cache'.")
+        self.run(self._broadcast("wake_up", tags))
+
+    def is_sleeping(self) -> dict[int, bool]:
+        """Whether each ready replica sleeps (at all, or in part)."""
+        return dict(zip(self.replica_ids, self.run(self._broadcast("is_sleeping")), strict=True))
 
     def set_weight_version(self, version: str | int) -> None:
         """Label every replica's weights with ``version`` (restarted replicas get the label).

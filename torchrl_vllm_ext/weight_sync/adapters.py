@@ -34,9 +34,8 @@ from pathlib import Path
 
 import torch
 
-from torchrl_vllm_ext._files import fsync_path
+from torchrl_vllm_ext._files import fsync_path, private_dir
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.slots import default_root
 
 logger = logging.getLogger(__name__)
 
@@ -151,17 +150,28 @@ class AdapterSync:
         name: adapter name prefix; version ``v`` is served as ``f"{name}@{v}"``.
         keep: versions kept live (the staleness bound + 1).
         storage_dir: where versions are written (default: a private tmpfs directory).
+        shared: ``storage_dir`` is on a file system every node sees, so replicas on other
+            nodes read it there; otherwise they get each version's files through Ray's
+            object store.
     """
 
     transport = "adapter"
     """What a push moves (the GRPO job reports it like a scheme's transport)."""
 
-    def __init__(self, service, name: str = "policy", *, keep: int = 2, storage_dir=None):
+    def __init__(
+        self,
+        service,
+        name: str = "policy",
+        *,
+        keep: int = 2,
+        storage_dir=None,
+        shared: bool = False,
+    ):
         if keep < 1:
             raise WeightSyncError(f"keep={keep} must be >= 1 (the newest version is live).")
-        self.service, self.name, self.keep = service, name, keep
+        self.service, self.name, self.keep, self.shared = service, name, keep, shared
         self.root = (
-            Path(storage_dir) if storage_dir is not None else default_root("torchrl-vllm-adapters-")
+            Path(storage_dir) if storage_dir is not None else private_dir("torchrl-vllm-adapters-")
         )
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._live: deque[str] = deque()  # versions, oldest first
@@ -199,7 +209,7 @@ class AdapterSync:
         path = self._write(tensors, config, version)
         marks.append(time.perf_counter())
         try:
-            self.service.add_lora(self.lora_name(version), path)
+            self.service.add_lora(self.lora_name(version), path, shared=self.shared)
         except BaseException:
             shutil.rmtree(path, ignore_errors=True)
             raise

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
-from torchrl_vllm_ext._files import fsync_path, write_text_atomic
+from torchrl_vllm_ext._files import fsync_path, private_dir, write_text_atomic
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.messages import SlotManifest, TensorSpec
 from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name
@@ -29,12 +28,6 @@ logger = logging.getLogger(__name__)
 
 SLOTS = ("A", "B")
 CURRENT = "current.json"
-
-
-def default_root(prefix: str = "torchrl-vllm-weights-") -> Path:
-    """A private directory on tmpfs when there is one (page-cache speed), else the temp dir."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))  # mkdtemp: 0700
 
 
 def _key(name: str) -> str:
@@ -69,14 +62,14 @@ class SlotWriter:
 
     Examples:
         >>> import torch
-        >>> w = SlotWriter(default_root())
+        >>> w = SlotWriter(private_dir("torchrl-vllm-weights-"))
         >>> manifest = w.write({"w": torch.ones(3)}, version="1")
         >>> read_published(w.root)[0].version
         '1'
     """
 
     def __init__(self, root: str | Path | None = None, num_threads: int = 4):
-        self.root = Path(root) if root is not None else default_root()
+        self.root = Path(root) if root is not None else private_dir("torchrl-vllm-weights-")
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
         self.num_threads = num_threads

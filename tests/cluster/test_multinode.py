@@ -1,0 +1,173 @@
+"""Replicas on several Ray nodes: placement, weights over both transports to every node,
+adapters shipped to other nodes, and the loss of a whole node mid-batch.
+
+Tests run in file order and share one service: the last one kills a node.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import glob
+import logging
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchrl_vllm_ext import InsufficientResourcesError, VLLMService, WeightSyncScheme
+from torchrl_vllm_ext.weight_sync.adapters import AdapterSync
+
+from ..integration.conftest import (
+    ENGINE_KWARGS,
+    SEQUENCE,
+    assert_replicas_match,
+    hf_token_logprobs,
+    perturb,
+    wait_until,
+)
+from ..integration.test_lora import make_adapter
+from .conftest import ON_WORKERS, WORKERS, nodes_of
+
+logger = logging.getLogger(__name__)
+LONG = {"max_tokens": 200, "ignore_eos": True}
+
+
+def shipped_copies(lora_id) -> list[str]:
+    """Adapter directories the replicas wrote from shipped files (all nodes share /dev/shm)."""
+    return [
+        d
+        for base in ("/dev/shm", tempfile.gettempdir())
+        for d in glob.glob(f"{base}/torchrl-vllm-replica-adapters-*/{lora_id}")
+    ]
+
+
+@pytest.fixture(scope="module")
+def trainer(hf_model):
+    return copy.deepcopy(hf_model)
+
+
+def test_spread_puts_one_replica_on_each_worker_node_and_none_on_the_head(spread_service):
+    assert sorted(nodes_of(spread_service).values()) == list(WORKERS)
+    data = spread_service.generate_batch([[5, 6, 7]] * 4, {"max_tokens": 4}, routing="round_robin")
+    assert {d.replica_id for d in data} == set(spread_service.replica_ids)
+
+
+def test_pack_fills_one_node_and_strict_spread_refuses_more_replicas_than_nodes(
+    spread_service, loopback, tiny_model
+):
+    with pytest.raises(InsufficientResourcesError, match="strict_spread"):
+        VLLMService.launch(
+            tiny_model,
+            num_replicas=3,
+            ray_address=loopback.address,
+            placement="strict_spread",
+            replica_resources=ON_WORKERS,
+            cpus_per_replica=0.25,
+            **ENGINE_KWARGS,
+        )
+    with VLLMService.launch(
+        tiny_model,
+        num_replicas=2,
+        ray_address=loopback.address,
+        placement="pack",
+        replica_resources=ON_WORKERS,
+        cpus_per_replica=0.25,
+        health_check_interval=0,
+        **ENGINE_KWARGS,
+    ) as packed:
+        placed = set(nodes_of(packed).values())
+        assert len(placed) == 1 and placed <= set(WORKERS), placed
+
+
+def test_adapter_files_reach_replicas_on_other_nodes(spread_service, tiny_model, tmp_path):
+    """The driver's adapter directory is not read on other nodes: each replica gets the
+    files through Ray's object store, writes them to a directory of its own and serves
+    the adapter with the PEFT model's log-probs."""
+    peft_model = make_adapter(tiny_model, tmp_path / "unused", seed=4)
+    sync = AdapterSync(spread_service, "nodes", keep=1)
+    report = sync.push(peft_model, "a1")
+    shipped = shipped_copies(spread_service.list_loras()[sync.current])
+    assert len(shipped) == 2, f"one private copy per replica node, found {shipped}"
+    assert all((Path(d) / "adapter_model.safetensors").is_file() for d in shipped)
+    expected = hf_token_logprobs(peft_model, SEQUENCE)
+    data = spread_service.generate_batch(
+        [SEQUENCE] * 2,
+        {"max_tokens": 1, "prompt_logprobs": 0},
+        routing="round_robin",
+        lora=sync.current,
+    )
+    assert {d.replica_id for d in data} == set(spread_service.replica_ids)
+    for d in data:
+        gap = (torch.tensor(d.prompt_logprobs[1:]) - expected).abs().max().item()
+        assert gap < 1e-4, f"replica {d.replica_id}: adapter log-probs off by {gap:.2e}"
+    logger.info("adapter push to 2 nodes: %.3fs (%s)", report.seconds, report.phases)
+    sync.close()
+    assert not shipped_copies(Path(shipped[0]).name), "retired: the replicas' copies are gone"
+
+
+def test_auto_broadcasts_to_replicas_on_other_nodes_exactly(spread_service, trainer):
+    with WeightSyncScheme(spread_service) as scheme:
+        assert scheme.transport == "broadcast", scheme.reason
+        assert "other hosts" in scheme.reason
+        perturb(trainer, seed=1)
+        report = scheme.push(trainer, version=1)
+        assert_replicas_match(spread_service, trainer, "1")
+    logger.info("broadcast across nodes: %.3fs, pause %s", report.seconds, report.pause_s)
+
+
+def test_storage_in_a_shared_directory_reaches_every_node_exactly(
+    spread_service, trainer, tmp_path
+):
+    scheme = WeightSyncScheme(spread_service, storage_dir=tmp_path / "shared")
+    assert scheme.transport == "storage" and "shared directory" in scheme.reason
+    perturb(trainer, seed=2)
+    report = scheme.push(trainer, version=2)
+    assert_replicas_match(spread_service, trainer, "2")
+    logger.info("storage across nodes: %.3fs, pause %s", report.seconds, report.pause_s)
+    # Left open: the service keeps it as its weights provider, which brings the replicas
+    # restarted or added after the node loss below to version 2.
+    assert spread_service.weights_provider is scheme
+
+
+def test_node_loss_mid_batch_loses_nothing_and_new_replicas_serve_the_current_version(
+    spread_service, loopback, trainer
+):
+    svc = spread_service
+    victim_ip = WORKERS[1]
+    (victim,) = [rid for rid, ip in nodes_of(svc).items() if ip == victim_ip]
+    batch = [[7, 8, 9, 10 + i % 50, 11 + i % 50] for i in range(320)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(svc.generate_batch, batch, LONG, routing="round_robin")
+        wait_until(
+            lambda: any(s.running > 0 for s in svc.stats() if s.replica_id == victim),
+            60,
+            what="the victim replica running requests",
+        )
+        lost_at = time.perf_counter()
+        loopback.kill_raylet(victim_ip)
+        data = fut.result(timeout=300)
+        batch_done = time.perf_counter() - lost_at
+    assert [d.prompt_token_ids.tolist() for d in data] == batch, "every prompt answered, in order"
+    assert all(len(d.samples[0].token_ids) == 200 for d in data)
+    assert victim not in {d.replica_id for d in data}, "the lost node's share ran elsewhere"
+    assert any(d.replica_id == victim and d.node_ip == victim_ip for d in svc.deaths())
+
+    def back():
+        return victim in svc.replica_ids and svc.replica_info(victim).node_ip != victim_ip
+
+    wait_until(back, timeout=240, interval=0.2, what="the lost replica restarted elsewhere")
+    serving_again = time.perf_counter() - lost_at
+    assert set(nodes_of(svc).values()) == {WORKERS[0]}
+    added = svc.add_replicas(1)
+    assert nodes_of(svc)[added[0]] == WORKERS[0]
+    assert Counter(nodes_of(svc).values()) == {WORKERS[0]: 3}
+    assert_replicas_match(svc, trainer, "2")  # restarted and added: the current version
+    logger.info(
+        "node loss: batch done %.1fs after, full capacity again %.1fs after",
+        batch_done,
+        serving_again,
+    )
