@@ -75,8 +75,12 @@ def main(args) -> dict:
     from torchrl_vllm_ext.testing import make_tiny_model
     from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
 
-    model_dir = make_tiny_model(hidden_size=args.hidden, num_layers=args.layers, seed=0)
-    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model_dir = make_tiny_model(
+        hidden_size=args.hidden, num_layers=args.layers, seed=0, dtype=args.dtype
+    )
+    trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype))
+    if torch.cuda.is_available():
+        trainer = trainer.cuda()  # NCCL sends from the trainer's GPU
     tensors = validate(named_tensors(trainer), expected_specs(model_dir))
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
@@ -98,7 +102,7 @@ def main(args) -> dict:
         model_dir,
         num_replicas=args.replicas,
         cpus_per_replica=1.0,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=256,
         enforce_eager=True,
         health_check_interval=0,
@@ -163,5 +167,6 @@ if __name__ == "__main__":
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", help="bfloat16 on GPU")
     logging.basicConfig(level=logging.WARNING)
     print(json.dumps(main(parser.parse_args()), indent=2))

@@ -85,6 +85,8 @@ def test_more_replicas_than_resources(service, tiny_model):
         ({"tensor_parallel_size": -1}, "tensor_parallel_size=-1"),
         ({"cpus_per_replica": 0}, "cpus_per_replica=0"),
         ({"routing": ["nope"]}, "'nope'"),
+        ({"placement": "scatter"}, "placement='scatter'"),
+        ({"replica_resources": {"rollout": 0}}, r"replica_resources\['rollout'\]"),
     ],
 )
 def test_bad_launch_arguments(tiny_model, kwargs, match):

@@ -48,13 +48,18 @@ def ensure_ray(
 ) -> bool:
     """Connect to Ray; return True if this call started a local cluster (and so owns it).
 
-    A local cluster listens on loopback only and starts no dashboard; ``address``
-    joins an existing cluster instead. ``log_to_driver=False``: Ray does not forward the
-    workers' output to this process's terminal.
+    A local cluster listens on loopback only and starts no dashboard; ``address`` (or
+    ``RAY_ADDRESS``, set inside a Ray job) joins an existing cluster instead.
+    ``log_to_driver=False``: Ray does not forward the workers' output to this process's
+    terminal.
     """
     if ray.is_initialized():
         return False
     env = {"env_vars": _engine_env()}
+    # Inside a Ray job RAY_ADDRESS names the job's cluster: join it. Otherwise a local
+    # cluster of our own ("local"): ray.init() alone would join any `ray start` cluster
+    # it finds on the machine, even one that is gone (its stale address file).
+    address = address or os.environ.get("RAY_ADDRESS") or None
     if address is not None:
         ray.init(
             address=address,
@@ -65,6 +70,7 @@ def ensure_ray(
         return False
     with _loopback_only():
         ray.init(
+            address="local",
             num_cpus=int(num_cpus) if num_cpus is not None else os.cpu_count(),
             include_dashboard=False,
             _node_ip_address="127.0.0.1",
