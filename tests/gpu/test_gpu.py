@@ -20,7 +20,7 @@ from torchrl_vllm_ext.testing import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 
-ENGINE_KWARGS = {"dtype": "bfloat16", "max_model_len": 256, "gpu_memory_utilization": 0.3}
+ENGINE_KWARGS = {"dtype": "bfloat16", "max_model_len": 256}
 SEQUENCE = list(range(5, 45))
 BF16_TOL = 0.1  # per-token log-prob gap, vLLM's bf16 kernels vs transformers'
 
@@ -39,9 +39,14 @@ def trainer(model_dir):
 
 @pytest.fixture(scope="module")
 def gpu_service(model_dir):
-    replicas = min(2, torch.cuda.device_count())
+    # Two replicas: one GPU each, or halves of one GPU (gpus_per_replica=0.5).
+    share = 1.0 if torch.cuda.device_count() >= 2 else 0.5
     svc = VLLMService.launch(
-        model_dir, num_replicas=replicas, enable_sleep_mode=True, **ENGINE_KWARGS
+        model_dir,
+        num_replicas=2,
+        gpus_per_replica=share,
+        enable_sleep_mode=True,
+        **ENGINE_KWARGS,
     )
     yield svc
     svc.shutdown()
@@ -71,9 +76,7 @@ def perturb(model, seed: int) -> None:
 
 
 def test_replicas_run_on_gpus(gpu_service):
-    assert gpu_service.uses_gpu
-    if torch.cuda.device_count() >= 2:
-        assert gpu_service.num_replicas == 2
+    assert gpu_service.uses_gpu and gpu_service.num_replicas == 2
     out = gpu_service.generate_batch([[5, 6, 7]] * 4, {"max_tokens": 8})
     assert all(len(d.samples[0].token_ids) == 8 for d in out)
 

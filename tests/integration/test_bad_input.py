@@ -86,6 +86,7 @@ def test_more_replicas_than_resources(service, tiny_model):
         ({"cpus_per_replica": 0}, "cpus_per_replica=0"),
         ({"routing": ["nope"]}, "'nope'"),
         ({"placement": "scatter"}, "placement='scatter'"),
+        ({"gpus_per_replica": 1.5}, "gpus_per_replica=1.5"),
         ({"replica_resources": {"rollout": 0}}, r"replica_resources\['rollout'\]"),
     ],
 )

@@ -70,3 +70,20 @@ def test_a_node_to_avoid_is_taken_only_when_no_other_fits():
     assert plan("spread", 1, NEED, nodes(), ours, avoid) == ["127.0.0.2"]
     full = [Node("127.0.0.2", {"CPU": 0.1, "rollout": 1.0}), *nodes()[2:]]
     assert plan("spread", 1, NEED, full, Counter(), avoid) == ["127.0.0.3"]
+
+
+def test_replicas_sharing_a_gpu_split_its_memory():
+    from torchrl_vllm_ext.engine.cluster import actor_options, engine_kwargs
+
+    half = ReplicaResources(use_gpu=True, num_workers=1, cpus=1.0, gpus=0.5)
+    assert half.bundles() == [{"GPU": 0.5, "CPU": 1.0}]
+
+    class Config:  # the fields engine_kwargs reads
+        tensor_parallel_size = pipeline_parallel_size = 1
+        worker_extension_cls = None
+        engine_kwargs: dict = {}
+
+    assert engine_kwargs(half, Config)["gpu_memory_utilization"] == 0.45
+    Config.engine_kwargs = {"gpu_memory_utilization": 0.3}
+    assert engine_kwargs(half, Config)["gpu_memory_utilization"] == 0.3
+    assert actor_options(half, "r", pg=None)["num_gpus"] == 0.5

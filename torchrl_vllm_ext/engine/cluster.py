@@ -139,13 +139,15 @@ class ReplicaResources:
     """tensor_parallel_size x pipeline_parallel_size."""
     cpus: float
     """CPUs reserved per replica when there are no GPUs (fractions allowed)."""
+    gpus: float = 1.0
+    """GPUs per worker (a fraction: several single-worker replicas share one GPU)."""
     extra: dict[str, float] = field(default_factory=dict)
     """Custom resources the replica's first bundle asks for (``replica_resources``)."""
 
     def bundles(self, node_ip: str | None = None) -> list[dict[str, float]]:
         """The placement group's bundles; ``node_ip`` pins every bundle to that node."""
         if self.use_gpu:
-            bundles = [{"GPU": 1.0, "CPU": 1.0} for _ in range(self.num_workers)]
+            bundles = [{"GPU": self.gpus, "CPU": 1.0} for _ in range(self.num_workers)]
         else:
             bundles = [{"CPU": self.cpus}]
         bundles[0].update(self.extra)
@@ -163,14 +165,16 @@ class ReplicaResources:
         return total
 
 
-def plan_resources(
-    tp: int, pp: int, cpus_per_replica: float | None, extra: dict[str, float] | None = None
-) -> ReplicaResources:
-    """Decide GPU vs CPU placement from what the cluster has."""
+def plan_resources(config) -> ReplicaResources:
+    """What each replica of ``config`` reserves; GPU or CPU from what the cluster has."""
     use_gpu = ray.cluster_resources().get("GPU", 0) > 0
-    cpus = cpus_per_replica if cpus_per_replica is not None else 1.0
+    cpus = config.cpus_per_replica if config.cpus_per_replica is not None else 1.0
     return ReplicaResources(
-        use_gpu=use_gpu, num_workers=tp * pp, cpus=float(cpus), extra=dict(extra or {})
+        use_gpu=use_gpu,
+        num_workers=config.tensor_parallel_size * config.pipeline_parallel_size,
+        cpus=float(cpus),
+        gpus=float(config.gpus_per_replica),
+        extra=dict(config.replica_resources),
     )
 
 
@@ -239,7 +243,7 @@ def actor_options(res: ReplicaResources, name: str, pg: PlacementGroup) -> dict[
     if res.use_gpu:
         # A single-GPU engine runs in the actor; a TP/PP engine runs Ray workers
         # in the group's bundles, so the actor itself holds no GPU.
-        options.update(num_cpus=0, num_gpus=1 if res.num_workers == 1 else 0)
+        options.update(num_cpus=0, num_gpus=res.gpus if res.num_workers == 1 else 0)
     else:
         options.update(num_cpus=res.cpus)
     return options
@@ -303,6 +307,9 @@ def engine_kwargs(res: ReplicaResources, config) -> dict[str, Any]:
         kwargs["distributed_executor_backend"] = "ray" if res.use_gpu else "mp"
     if not res.use_gpu:
         kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES_DEFAULT
+    elif res.gpus < 1:
+        # vLLM's share is of the whole GPU's memory: replicas sharing it split it.
+        kwargs["gpu_memory_utilization"] = round(0.9 * res.gpus, 3)
     if config.worker_extension_cls:
         kwargs["worker_extension_cls"] = config.worker_extension_cls
     kwargs.update(config.engine_kwargs)

@@ -53,6 +53,10 @@ class ServiceConfig:
     """Routing strategies, tried in order (see :mod:`torchrl_vllm_ext.engine.routing`)."""
     cpus_per_replica: float | None = None
     """CPUs reserved per replica without GPUs (fractions allowed); default 1."""
+    gpus_per_replica: float = 1.0
+    """GPUs per tensor/pipeline-parallel worker on GPU clusters; a fraction lets several
+    single-worker replicas share one GPU (each then gets that share of its memory,
+    ``gpu_memory_utilization = 0.9 x share``, unless given)."""
     placement: str = "any"
     """Which node each replica goes to: ``any`` (Ray decides), ``pack`` (fill one node
     first), ``spread`` (fewest replicas first) or ``strict_spread`` (one per node); see
@@ -114,6 +118,14 @@ class ServiceConfig:
         for name in ("startup_timeout", "placement_timeout", "shutdown_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigurationError(f"{name}={getattr(self, name)!r} must be > 0 seconds.")
+        if not 0 < self.gpus_per_replica <= 1 or (
+            self.gpus_per_replica < 1
+            and self.tensor_parallel_size * self.pipeline_parallel_size > 1
+        ):
+            raise ConfigurationError(
+                f"gpus_per_replica={self.gpus_per_replica!r} must be in (0, 1], and 1 with "
+                "tensor or pipeline parallelism (each worker owns its GPU)."
+            )
         if self.placement not in PLACEMENTS:
             raise ConfigurationError(f"placement={self.placement!r} is not one of {PLACEMENTS}.")
         self.replica_resources = dict(self.replica_resources)

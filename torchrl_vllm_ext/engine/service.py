@@ -151,12 +151,7 @@ class VLLMService(BatchGeneration):
 
     async def _launch(self) -> None:
         cfg = self.config
-        self._res = cluster.plan_resources(
-            cfg.tensor_parallel_size,
-            cfg.pipeline_parallel_size,
-            cfg.cpus_per_replica,
-            cfg.replica_resources,
-        )
+        self._res = cluster.plan_resources(cfg)
         self._driver_ip = ray.util.get_node_ip_address()
         # The driver's first vLLM import (SamplingParams: ~4 s on 2 cores) runs while the
         # replicas start, not at the first request.
