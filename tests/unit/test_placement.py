@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
@@ -78,12 +79,14 @@ def test_replicas_sharing_a_gpu_split_its_memory():
     half = ReplicaResources(use_gpu=True, num_workers=1, cpus=1.0, gpus=0.5)
     assert half.bundles() == [{"GPU": 0.5, "CPU": 1.0}]
 
-    class Config:  # the fields engine_kwargs reads
-        tensor_parallel_size = pipeline_parallel_size = 1
-        worker_extension_cls = None
-        engine_kwargs: dict = {}
+    def config(**engine):  # the fields engine_kwargs reads
+        return SimpleNamespace(
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            worker_extension_cls=None,
+            engine_kwargs=engine,
+        )
 
-    assert engine_kwargs(half, Config)["gpu_memory_utilization"] == 0.45
-    Config.engine_kwargs = {"gpu_memory_utilization": 0.3}
-    assert engine_kwargs(half, Config)["gpu_memory_utilization"] == 0.3
+    assert engine_kwargs(half, config())["gpu_memory_utilization"] == 0.45
+    assert engine_kwargs(half, config(gpu_memory_utilization=0.3))["gpu_memory_utilization"] == 0.3
     assert actor_options(half, "r", pg=None)["num_gpus"] == 0.5
