@@ -65,6 +65,7 @@ def main(args) -> dict:
     runs: dict[str, list[float]] = {
         k: [] for k in ("full_s", "full_pause_s", "adapter_s", "base_tok_s", "adapter_tok_s")
     }
+    adapter_phases: list[dict] = []
     with (
         VLLMService.launch(
             model_dir,
@@ -89,7 +90,9 @@ def main(args) -> dict:
             order = ["adapter", "full"] if i % 2 == 0 else ["full", "adapter"]
             for kind in order:
                 if kind == "adapter":
-                    runs["adapter_s"].append(sync.push(peft_model, i + 1).seconds)
+                    report = sync.push(peft_model, i + 1)
+                    runs["adapter_s"].append(report.seconds)
+                    adapter_phases.append(report.phases)
                 else:
                     report = scheme.push(base, version=i + 1)
                     runs["full_s"].append(report.seconds)
@@ -108,6 +111,9 @@ def main(args) -> dict:
         "full_pause_s": round(med["full_pause_s"], 4),
         "adapter_push_s": round(med["adapter_s"], 4),
         "adapter_pause_s": 0.0,
+        "adapter_phases_s": {
+            k: round(statistics.median(p[k] for p in adapter_phases), 4) for k in adapter_phases[0]
+        },
         "adapter_speedup_vs_full": round(med["full_s"] / med["adapter_s"], 2),
         "bytes_ratio_full_over_adapter": round(full_bytes / adapter_bytes, 1),
         "base_tokens_per_s": round(med["base_tok_s"], 1),
