@@ -23,11 +23,12 @@ from tqdm.auto import tqdm
 
 from torchrl_vllm_ext._compat import PAUSE_MODES, vllm_engine_api
 from torchrl_vllm_ext.engine import cluster, placement
-from torchrl_vllm_ext.engine.adapters import Adapter, AdapterRegistry, read_files
+from torchrl_vllm_ext.engine.adapters import AdapterRegistry
 from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.generation import BatchGeneration
 from torchrl_vllm_ext.engine.loop import LoopThread
+from torchrl_vllm_ext.engine.lora_serving import LoraServing
 from torchrl_vllm_ext.engine.replica import VLLMReplica
 from torchrl_vllm_ext.engine.routing import (
     RouterState,
@@ -70,7 +71,7 @@ class _Replica:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class VLLMService(BatchGeneration):
+class VLLMService(BatchGeneration, LoraServing):
     """vLLM v1 engine replicas as Ray actors behind one object.
 
     Use :meth:`launch` (or :meth:`alaunch`); shut down with :meth:`shutdown` or a
@@ -230,62 +231,6 @@ class VLLMService(BatchGeneration):
         if provider is not None and provider.version is not None:
             await provider.bring_up(rep.actor, rid)
         rep.state = "ready"
-
-    # ------------------------------------------------------------------ LoRA adapters
-    def add_lora(self, name: str, path: str | Path, shared: bool = False) -> int:
-        """Load the PEFT LoRA adapter in ``path`` on every replica as ``name``; returns
-        vLLM's id for it. Re-adding a name loads the new files under a new id (requests
-        already running finish on the old one). Needs ``enable_lora=True`` at launch.
-
-        Replicas on other nodes than this process get the files through Ray's object
-        store, unless ``shared`` says every node sees ``path`` (a shared file system).
-        """
-        return self.run(self._add_lora(name, path, shared))
-
-    async def _add_lora(self, name: str, path, shared: bool) -> int:
-        adapter, previous = self._adapters.add(name, path, shared)
-        ready = [r for r in self._replicas.values() if r.state == "ready"]
-        outcomes = await asyncio.gather(
-            *(self._load_lora(r, adapter) for r in ready), return_exceptions=True
-        )
-        failed = [o for o in outcomes if isinstance(o, BaseException)]
-        if failed:  # no replica keeps it: the name serves what it served before
-            await self._unload(adapter)
-            if previous is not None:
-                self._adapters.put(previous)
-            else:
-                self._adapters.remove(name)
-            raise cluster.actor_cause(failed[0])
-        if previous is not None:
-            await self._unload(previous)
-        return adapter.lora_id
-
-    def _load_lora(self, rep: _Replica, adapter: Adapter):
-        """``add_lora`` on one replica, with the files when its node cannot read the path."""
-        if adapter.shared or rep.node in (None, self._driver_ip):
-            return rep.actor.add_lora.remote(adapter)
-        if adapter.lora_id not in self._shipped:  # one copy in the object store per version
-            self._shipped[adapter.lora_id] = ray.put(read_files(adapter))
-        return rep.actor.add_lora.remote(adapter, self._shipped[adapter.lora_id])
-
-    def remove_lora(self, name: str) -> None:
-        """Unload adapter ``name`` from every replica."""
-        self.run(self.aremove_lora(name))
-
-    async def aremove_lora(self, name: str) -> None:
-        """Async :meth:`remove_lora` (on the service's loop)."""
-        await self._unload(self._adapters.remove(name))
-
-    async def _unload(self, adapter) -> None:
-        self._shipped.pop(adapter.lora_id, None)
-        ready = [r for r in self._replicas.values() if r.state == "ready"]
-        await asyncio.gather(
-            *(r.actor.remove_lora.remote(adapter.lora_id) for r in ready), return_exceptions=True
-        )
-
-    def list_loras(self) -> dict[str, int]:
-        """Live adapters: name -> vLLM id."""
-        return {a.name: a.lora_id for a in self._adapters.live()}
 
     def set_weights_provider(self, provider: WeightsProvider | None) -> None:
         """Make ``provider`` bring restarted replicas to the live weights (None: nobody).
