@@ -74,6 +74,8 @@ def test_more_replicas_than_resources(service, tiny_model):
         service.add_replicas(100)
     with pytest.raises(InsufficientResourcesError, match="100 more replica"):
         VLLMService.launch(tiny_model, num_replicas=100, cpus_per_replica=0.5)
+    with pytest.raises(InsufficientResourcesError, match="custom resource 'rollout'"):
+        VLLMService.launch(tiny_model, cpus_per_replica=0.5, replica_resources={"rollout": 1})
     assert service.num_replicas == 2
     assert len(service.generate([[1, 2]], OK)) == 1
 

@@ -206,6 +206,14 @@ def check_capacity(res: ReplicaResources, count: int, *, available: bool) -> Non
                 else "lower cpus_per_replica (fractions are fine), or start Ray with more num_cpus."
             )
         )
+    for key, amount in res.extra.items():
+        if count * amount > pool.get(key, 0.0) + 1e-9:
+            raise InsufficientResourcesError(
+                f"{count} more replica(s) need {count * amount:g} of the custom resource "
+                f"{key!r} (replica_resources) but the Ray cluster has "
+                f"{pool.get(key, 0.0):g} {'free' if available else 'in total'}; start nodes "
+                f"with --resources '{{\"{key}\": ...}}' or lower the amount."
+            )
 
 
 async def reserve(

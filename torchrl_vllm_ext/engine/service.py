@@ -12,7 +12,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,7 +103,7 @@ class VLLMService(BatchGeneration, LoraServing):
         self._res: cluster.ReplicaResources | None = None
         self._adapters = AdapterRegistry()
         self._limits: ReplicaInfo | None = None
-        self._deaths: list[ReplicaDeath] = []
+        self._deaths: deque[ReplicaDeath] = deque(maxlen=1000)
         self._driver_ip: str | None = None  # this process's Ray node
         self._shipped: dict[int, ray.ObjectRef] = {}  # lora id -> its files, for other nodes
 
