@@ -9,7 +9,11 @@ from __future__ import annotations
 import concurrent.futures
 import copy
 import glob
+import json
 import logging
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -19,6 +23,7 @@ import pytest
 import torch
 
 from torchrl_vllm_ext import InsufficientResourcesError, VLLMService, WeightSyncScheme
+from torchrl_vllm_ext.testing.loopback_cluster import LoopbackCluster
 from torchrl_vllm_ext.weight_sync.adapters import AdapterSync
 
 from ..integration.conftest import (
@@ -131,6 +136,26 @@ def test_storage_in_a_shared_directory_reaches_every_node_exactly(
     # Left open: the service keeps it as its weights provider, which brings the replicas
     # restarted or added after the node loss below to version 2.
     assert spread_service.weights_provider is scheme
+
+
+def test_demo_trains_with_its_replicas_on_other_nodes(spread_service, loopback, tmp_path):
+    """The CLI joins the cluster: the trainer on the head, the replicas spread over the
+    worker nodes; every step's weights cross nodes by gloo broadcast and arrive exactly."""
+    steps = 8
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchrl_vllm_ext.cli", "demo", "--steps", str(steps),
+         "--ray-address", loopback.address, "--placement", "spread",
+         "--cpus-per-replica", "0.5", "--output", str(tmp_path), "--no-progress"],
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, **LoopbackCluster.env()}, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "metrics.json").read_text())["summary"]
+    assert summary["transport"] == "broadcast"
+    assert summary["max_abs_kl_to_engine"] < 1e-4, "trainer and engine on the same weights"
+    log = (tmp_path / "torchrl-vllm.log").read_text()
+    assert log.count("pushed version") == steps
+    assert spread_service.num_replicas == 2, "the other service kept serving"
 
 
 def test_node_loss_mid_batch_loses_nothing_and_new_replicas_serve_the_current_version(

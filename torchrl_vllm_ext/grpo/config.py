@@ -64,6 +64,10 @@ class GRPOConfig:
     """dtype of the trainer and of the replicas (fp32 keeps their log-probs equal)."""
     cpus_per_replica: float | None = None
     """Ray CPUs per replica; None splits the machine between the replicas."""
+    ray_address: str | None = None
+    """Ray cluster to join (head's host:port); None: a local one on this machine."""
+    placement: str = "any"
+    """Which node each replica goes to: any, pack, spread or strict_spread."""
     log_file: Path | None = None
     """File the replicas' output (vLLM's logs, warnings) is appended to; None: the terminal."""
     target_fraction: float = 0.8

@@ -105,7 +105,13 @@ def launch_services(cfg: GRPOConfig, model_path, gpu: bool, stack: contextlib.Ex
     cpus = cfg.cpus_per_replica
     if cpus is None and ref_replicas and not gpu:
         cpus = (os.cpu_count() or 1) / (cfg.replicas + ref_replicas)
-    kwargs = dict(cpus_per_replica=cpus, log_file=cfg.log_file, **engine_kwargs(cfg, gpu=gpu))
+    kwargs = dict(
+        cpus_per_replica=cpus,
+        ray_address=cfg.ray_address,
+        placement=cfg.placement,
+        log_file=cfg.log_file,
+        **engine_kwargs(cfg, gpu=gpu),
+    )
     service = stack.enter_context(
         VLLMService.launch(model_path, num_replicas=cfg.replicas, **kwargs)
     )

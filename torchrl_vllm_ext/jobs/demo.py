@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from torchrl_vllm_ext.engine.placement import PLACEMENTS
+
 logger = logging.getLogger(__name__)
 
 
@@ -32,10 +34,13 @@ FLAGS = {
     "dtype": "--dtype",
     "high": "--high",
     "cpus_per_replica": "--cpus-per-replica",
+    "ray_address": "--ray-address",
+    "placement": "--placement",
 }
 CHOICES = {
     "transport": ("auto", "storage", "broadcast"),
     "dtype": ("float32", "bfloat16", "float16"),
+    "placement": PLACEMENTS,
 }
 
 

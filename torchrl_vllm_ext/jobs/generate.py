@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from torchrl_vllm_ext.engine.placement import PLACEMENTS
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
 from torchrl_vllm_ext.hf import load_tokenizer, max_positions, model_dir, pad_token_id
 from torchrl_vllm_ext.jobs.flags import add_config_flags, config_from_args
@@ -83,6 +84,8 @@ def add_parser(sub):
     add("--output", required=True, help="output directory (created, or resumed)")
     add("--replicas", type=int, default=1, help="vLLM replicas (default 1)")
     add("--cpus-per-replica", type=float, help="CPUs reserved per replica without GPUs (1)")
+    add("--ray-address", help="Ray cluster to join (head's host:port); default: a local one")
+    add("--placement", default="any", choices=PLACEMENTS, help="replicas' nodes (any)")
     dtypes = ("auto", "float32", "bfloat16", "float16")
     add("--dtype", default="auto", choices=dtypes, help="engine dtype (default auto)")
     add("--max-model-len", type=int, help="engine context (default: longest prompt + tokens)")
@@ -126,6 +129,8 @@ def run(args, service=None) -> int:
                 model,
                 num_replicas=args.replicas,
                 cpus_per_replica=args.cpus_per_replica,
+                ray_address=args.ray_address,
+                placement=args.placement,
                 dtype=args.dtype,
                 max_model_len=args.max_model_len or width + options.max_tokens,
                 enforce_eager=True,
