@@ -164,7 +164,7 @@ def test_node_loss_mid_batch_loses_nothing_and_new_replicas_serve_the_current_ve
     svc = spread_service
     victim_ip = WORKERS[1]
     (victim,) = [rid for rid, ip in nodes_of(svc).items() if ip == victim_ip]
-    batch = [[7, 8, 9, 10 + i % 50, 11 + i % 50] for i in range(320)]
+    batch = [[7, 8, 9, 10 + i % 50, 11 + i % 50] for i in range(480)]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(svc.generate_batch, batch, LONG, routing="round_robin")
         wait_until(
