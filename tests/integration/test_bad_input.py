@@ -100,3 +100,14 @@ def test_bad_launch_arguments(tiny_model, kwargs, match):
 def test_model_path_must_be_a_local_directory(tmp_path):
     with pytest.raises(ConfigurationError, match="not a local directory"):
         VLLMService.launch(tmp_path / "missing")
+
+
+def test_sleep_on_cpu_replicas_is_refused_with_the_reason(service):
+    with pytest.raises(ConfigurationError, match="enable_sleep_mode"):
+        service.sleep(level=1)
+    with pytest.raises(ConfigurationError, match="level must be 1 or 2"):
+        service.sleep(level=3)
+    with pytest.raises(ConfigurationError, match="'weights', 'kv_cache'"):
+        service.wake_up(["everything"])
+    assert not any(service.is_sleeping().values())
+    assert len(service.generate([[1, 2]], OK)) == 1

@@ -50,13 +50,14 @@ class LoraServing:
             await self._unload(previous)
         return adapter.lora_id
 
-    def _load_lora(self, rep, adapter: Adapter):
+    async def _load_lora(self, rep, adapter: Adapter) -> str:
         """``add_lora`` on one replica, with the files when its node cannot read the path."""
         if adapter.shared or rep.node in (None, self._driver_ip):
-            return rep.actor.add_lora.remote(adapter)
+            return await rep.actor.add_lora.remote(adapter)
         if adapter.lora_id not in self._shipped:  # one copy in the object store per version
-            self._shipped[adapter.lora_id] = ray.put(read_files(adapter))
-        return rep.actor.add_lora.remote(adapter, self._shipped[adapter.lora_id])
+            files = await asyncio.to_thread(read_files, adapter)
+            self._shipped.setdefault(adapter.lora_id, ray.put(files))
+        return await rep.actor.add_lora.remote(adapter, self._shipped[adapter.lora_id])
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter ``name`` from every replica."""
