@@ -46,19 +46,28 @@ def loopback():
         assert not left, f"processes of the loopback cluster left behind: {left}"
 
 
+def launch_on_workers(cluster, model, **kwargs) -> VLLMService:
+    """A service on ``cluster`` whose replicas go to the worker nodes only."""
+    return VLLMService.launch(
+        model,
+        ray_address=cluster.address,
+        replica_resources=ON_WORKERS,
+        **{"health_check_interval": 0, **kwargs},
+        **ENGINE_KWARGS,
+    )
+
+
 @pytest.fixture(scope="package")
 def spread_service(loopback, tiny_model):
     """Two replicas spread over the two worker nodes, LoRA on."""
-    svc = VLLMService.launch(
+    svc = launch_on_workers(
+        loopback,
         tiny_model,
         num_replicas=2,
-        ray_address=loopback.address,
         placement="spread",
-        replica_resources=ON_WORKERS,
         cpus_per_replica=0.5,
         health_check_interval=1.0,
         **LORA_KWARGS,
-        **ENGINE_KWARGS,
     )
     yield svc
     svc.shutdown()

@@ -22,12 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrl_vllm_ext import InsufficientResourcesError, VLLMService, WeightSyncScheme
+from torchrl_vllm_ext import InsufficientResourcesError, WeightSyncScheme
 from torchrl_vllm_ext.testing.loopback_cluster import LoopbackCluster
 from torchrl_vllm_ext.weight_sync.adapters import AdapterSync
 
 from ..integration.conftest import (
-    ENGINE_KWARGS,
     SEQUENCE,
     assert_replicas_match,
     hf_token_logprobs,
@@ -35,7 +34,7 @@ from ..integration.conftest import (
     wait_until,
 )
 from ..integration.test_lora import make_adapter
-from .conftest import ON_WORKERS, WORKERS, nodes_of
+from .conftest import WORKERS, launch_on_workers, nodes_of
 
 logger = logging.getLogger(__name__)
 LONG = {"max_tokens": 200, "ignore_eos": True}
@@ -65,24 +64,11 @@ def test_pack_fills_one_node_and_strict_spread_refuses_more_replicas_than_nodes(
     spread_service, loopback, tiny_model
 ):
     with pytest.raises(InsufficientResourcesError, match="strict_spread"):
-        VLLMService.launch(
-            tiny_model,
-            num_replicas=3,
-            ray_address=loopback.address,
-            placement="strict_spread",
-            replica_resources=ON_WORKERS,
-            cpus_per_replica=0.25,
-            **ENGINE_KWARGS,
+        launch_on_workers(
+            loopback, tiny_model, num_replicas=3, placement="strict_spread", cpus_per_replica=0.25
         )
-    with VLLMService.launch(
-        tiny_model,
-        num_replicas=2,
-        ray_address=loopback.address,
-        placement="pack",
-        replica_resources=ON_WORKERS,
-        cpus_per_replica=0.25,
-        health_check_interval=0,
-        **ENGINE_KWARGS,
+    with launch_on_workers(
+        loopback, tiny_model, num_replicas=2, placement="pack", cpus_per_replica=0.25
     ) as packed:
         placed = set(nodes_of(packed).values())
         assert len(placed) == 1 and placed <= set(WORKERS), placed

@@ -104,15 +104,18 @@ class Engine(abc.ABC):
     async def sleep(self, level: int, mode: PauseMode) -> None:
         """Free accelerator memory (vLLM sleep mode): level 1 offloads the weights to host
         memory and drops the KV cache; level 2 drops both (push weights after waking)."""
-        raise ConfigurationError(
-            f"{type(self).__name__} has no sleep mode: it needs GPU replicas launched with "
-            "enable_sleep_mode=True (vLLM's AsyncLLM; vLLM-CPU has no sleep mode)."
-        )
+        raise self._no_sleep_mode()
 
     async def wake_up(self, tags: list[str] | None) -> None:
         """Restore what :meth:`sleep` freed: all of it, or only ``tags`` (``weights``,
         ``kv_cache``); scheduling resumes once everything is awake."""
-        await self.sleep(0, "abort")  # the same refusal
+        raise self._no_sleep_mode()
+
+    def _no_sleep_mode(self) -> ConfigurationError:
+        return ConfigurationError(
+            f"{type(self).__name__} has no sleep mode: it needs GPU replicas launched with "
+            "enable_sleep_mode=True (vLLM's AsyncLLM; vLLM-CPU has no sleep mode)."
+        )
 
     async def is_sleeping(self) -> bool:
         return False

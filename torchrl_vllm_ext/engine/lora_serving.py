@@ -54,10 +54,13 @@ class LoraServing:
         """``add_lora`` on one replica, with the files when its node cannot read the path."""
         if adapter.shared or rep.node in (None, self._driver_ip):
             return await rep.actor.add_lora.remote(adapter)
-        if adapter.lora_id not in self._shipped:  # one copy in the object store per version
-            files = await asyncio.to_thread(read_files, adapter)
-            self._shipped.setdefault(adapter.lora_id, ray.put(files))
-        return await rep.actor.add_lora.remote(adapter, self._shipped[adapter.lora_id])
+        if adapter.lora_id not in self._shipped:  # one read, one object per version
+            self._shipped[adapter.lora_id] = asyncio.ensure_future(self._ship(adapter))
+        return await rep.actor.add_lora.remote(adapter, await self._shipped[adapter.lora_id])
+
+    @staticmethod
+    async def _ship(adapter: Adapter) -> ray.ObjectRef:
+        return ray.put(await asyncio.to_thread(read_files, adapter))
 
     def remove_lora(self, name: str) -> None:
         """Unload adapter ``name`` from every replica."""

@@ -105,7 +105,8 @@ class VLLMService(BatchGeneration, LoraServing):
         self._limits: ReplicaInfo | None = None
         self._deaths: deque[ReplicaDeath] = deque(maxlen=1000)
         self._driver_ip: str | None = None  # this process's Ray node
-        self._shipped: dict[int, ray.ObjectRef] = {}  # lora id -> its files, for other nodes
+        # lora id -> its files in Ray's object store, for replicas on other nodes
+        self._shipped: dict[int, asyncio.Future] = {}
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
