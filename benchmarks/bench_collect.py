@@ -15,7 +15,7 @@ The two alternate ``--repeats`` times; medians are reported.
 Collector overhead (the demo's step, ``--overhead-rounds``): the same requests
 (:class:`~torchrl_vllm_ext.TokenCountEnv`, 8 prompts x 16 samples, 4 tokens each, the
 task's alphabet only, a seed per row) served three ways, back to back in alternating
-order: ``engine`` (``VLLMService.generate_flat``: routing, the Ray calls, vLLM),
+order: ``engine`` (``VLLMService.generate_request_batch``: routing, the Ray calls, vLLM),
 ``policy`` (``VLLMPolicy`` on the env's reset TensorDict) and ``collector``
 (``LLMCollector`` yielding one batch: reset, policy, env step, the collector's
 bookkeeping), the last two also with ``pad_output=True`` (``_padded``), and the padded
@@ -148,7 +148,7 @@ def run_overhead(svc, rounds: int) -> dict:
     first = env.reset()
     prompts = first.get(("tokens", "prompt")).tolist()
     params = [{**sampling, "seed": int(s)} for s in first.get("seed")]
-    calls = {"engine": lambda: svc.generate_flat(prompts, params)}
+    calls = {"engine": lambda: svc.generate_request_batch(prompts, params)}
     collectors = []
     reference = ReferenceKL(
         VLLMPolicy(svc, generate=False, log_probs_key="ref_log_probs", pad_output=True,

@@ -10,7 +10,7 @@ SIGKILLed mid-publish, and a concurrent load phase, on two replicas of a tiny mo
 * writer kills: ``SlotWriter.write`` SIGKILLed at each step of a publish and at random
   moments; ``torn_loads`` counts reads that returned a slot not holding exactly one
   published version (must be 0).
-* load: ~1,300 concurrent requests through ``agenerate_batch`` and ``VLLMPolicy.aforward``;
+* load: ~1,300 concurrent requests through ``agenerate_request_data`` and ``VLLMPolicy.aforward``;
   requests/s and the resident memory of driver + replicas at the start and the end.
 
     python benchmarks/bench_faults.py [--quick] [--json out.json]
@@ -135,7 +135,7 @@ class Traffic:
             with self.lock:
                 self.sent += len(batch)
             try:
-                data = self.svc.generate_batch(batch, {"max_tokens": 24, "ignore_eos": True})
+                data = self.svc.generate_request_data(batch, {"max_tokens": 24, "ignore_eos": True})
                 whole = [d.prompt_token_ids.tolist() for d in data] == batch
                 with self.lock:
                     self.answered += len(batch) if whole else 0
@@ -166,7 +166,7 @@ def replicas_match(svc, trainer, version: str) -> int:
     with torch.no_grad():
         logp = torch.log_softmax(trainer(x).logits[0, :-1].float(), -1)
     ref = logp.gather(-1, x[0, 1:, None])[:, 0]
-    data = svc.generate_batch(
+    data = svc.generate_request_data(
         [SEQUENCE] * svc.num_replicas,
         {"max_tokens": 1, "prompt_logprobs": 0},
         routing="round_robin",
@@ -266,7 +266,7 @@ async def _load(svc, policy, seconds: float) -> int:
         while loop.time() < stop_at:
             batch = [[7 + (i + k) % 50, 8, 9, 10 + j % 100] for j in range(32)]
             k += 1
-            data = await svc.agenerate_batch(batch, params)
+            data = await svc.agenerate_request_data(batch, params)
             done[0] += len(data)
 
     async def policy_client(i):

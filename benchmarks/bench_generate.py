@@ -46,7 +46,7 @@ async def raw_round(engine, prompts, params, tag: str) -> int:
 
 
 async def service_round(svc, prompts, params) -> int:
-    data = await svc.agenerate_batch(prompts, params)
+    data = await svc.agenerate_request_data(prompts, params)
     return sum(len(s.token_ids) for d in data for s in d.samples)
 
 

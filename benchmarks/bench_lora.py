@@ -41,7 +41,7 @@ def perturb(params, seed: int) -> None:
 
 def tokens_per_s(svc, prompts, params, lora=None) -> float:
     start = time.perf_counter()
-    out = svc.generate_flat(prompts, params, lora=lora)
+    out = svc.generate_request_batch(prompts, params, lora=lora)
     return int(out.sample_lengths.sum()) / (time.perf_counter() - start)
 
 

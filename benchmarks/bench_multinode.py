@@ -58,7 +58,7 @@ def node_loss(svc, cluster, victim_ip: str, prompts: int, tokens: int) -> dict:
     batch = [[7, 8, 9, 10 + i % 50, 11 + i % 50] for i in range(prompts)]
     params = {"max_tokens": tokens, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(svc.generate_batch, batch, params, routing="round_robin")
+        fut = pool.submit(svc.generate_request_data, batch, params, routing="round_robin")
         while not any(s.running > 0 for s in svc.stats() if s.replica_id == victim):
             time.sleep(0.05)
         lost_at = time.perf_counter()

@@ -1,7 +1,7 @@
 """Prefix-cache hits of multi-turn chats: session-sticky routing against round robin.
 
 ``--sessions`` chats of ``--turns`` turns run side by side on two replicas, a turn of
-every chat per ``generate_flat`` call (as a collector steps a batch of envs): turn 1 is a
+every chat per ``generate_request_batch`` call (as a collector steps a batch of envs): turn 1 is a
 distinct random prompt, turn ``k + 1`` is turn ``k``'s prompt and reply plus a few new
 "user" tokens. For turns 2 and later, the hit rate is the share of prompt tokens that
 vLLM served from its prefix cache (``RequestOutput.num_cached_tokens``), with
@@ -45,7 +45,7 @@ def run_chats(svc, routing, args, rng: np.random.Generator) -> dict:
     seconds = 0.0
     for turn in range(args.turns):
         start = time.perf_counter()
-        out = svc.generate_flat(prompts, params, routing=routing)
+        out = svc.generate_request_batch(prompts, params, routing=routing)
         if turn > 0:
             seconds += time.perf_counter() - start
             cached += int(out.cached_tokens.sum())

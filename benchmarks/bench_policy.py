@@ -6,7 +6,7 @@ Systems, all on the same tiny model and prompts, timed in alternating rounds:
   as the policy returns them);
 - ``torchrl_wrapper``: TorchRL's ``vLLMWrapper`` (tokens mode, its defaults: prompt log-probs
   and detokenisation on) over that ``LLM``;
-- ``service``: ``VLLMService.generate_batch`` (one replica owning the machine's cores), with
+- ``service``: ``VLLMService.generate_request_data`` (one replica owning the machine's cores), with
   the policy's parameters (no detokenisation), so the ratio isolates the policy's own cost;
 - ``policy``: ``VLLMPolicy(td)`` over that service, TorchRL layout out (``pad_output=False``).
 
@@ -97,7 +97,7 @@ def main(args) -> dict:
     service_params = {**sampling, "detokenize": False}  # what the policy asks in tokens mode
 
     def service(_td):
-        data = svc.generate_batch(prompts, service_params)
+        data = svc.generate_request_data(prompts, service_params)
         return sum(len(s.token_ids) for d in data for s in d.samples)
 
     systems = {

@@ -53,7 +53,8 @@ def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
     import ray
 
     from torchrl_vllm_ext.protocol import WorkerMethods
-    from torchrl_vllm_ext.weight_sync.packing import header_to_json, pack
+    from torchrl_vllm_ext.weight_sync.packing import pack
+    from torchrl_vllm_ext.weight_sync.specs import to_json
 
     transport = scheme.transport_impl
     replicas = scheme._replicas()
@@ -61,7 +62,7 @@ def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
     for name, t in tensors.items():
         header, buffers = pack({name: t}, "per-param")
         refs = [
-            h.collective_rpc.remote(WorkerMethods.RECEIVE_BROADCAST, (header_to_json(header),))
+            h.collective_rpc.remote(WorkerMethods.RECEIVE_BROADCAST, (to_json(header),))
             for _, h in replicas
         ]
         transport.group.send(buffers)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
+import torch
 
 # Keep the engine processes quiet and fast on small CPU machines.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -44,9 +46,24 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def hf_model(tiny_model):
+    """The tiny model in transformers, fp32 (read-only: copy it to train)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def trainer(hf_model):
+    """A trainer-side copy of the tiny model a test module may perturb and push."""
+    return copy.deepcopy(hf_model)
+
+
+@pytest.fixture(scope="package")
 def ray_cluster():
-    """Ray through the package's own start-up: loopback only. Logical CPUs beyond the 2
-    physical cores let fractional replicas scale in tests."""
+    """Ray through the package's own start-up (loopback only), one per test directory, so
+    each tier runs alone or in any order (tests/cluster needs a process without Ray).
+    Logical CPUs beyond the 2 physical cores let fractional replicas scale in tests."""
     import ray
 
     from torchrl_vllm_ext.engine import cluster

@@ -3,8 +3,9 @@
 The head (the driver's node, 127.0.0.4) has no ``rollout`` resource; two worker nodes
 (127.0.0.2, 127.0.0.3) have 2 CPUs and ``rollout`` each, so replicas that ask for
 ``rollout`` go to worker nodes only, and the driver (the trainer) is on another node
-than every replica. This tier runs first (tests/cluster sorts before the others): the
-driver process can hold one Ray connection, and the other tiers start a local one.
+than every replica. The driver process can hold one Ray connection: the other tiers'
+local Ray is per directory (``ray_cluster`` in tests/conftest.py) and gone before this
+one starts, whatever the order.
 """
 
 from __future__ import annotations
@@ -14,20 +15,18 @@ import os
 import pytest
 import ray
 
-from torchrl_vllm_ext import VLLMService
 from torchrl_vllm_ext.testing.loopback_cluster import LoopbackCluster, NodeSpec
 
-from ..integration.conftest import ENGINE_KWARGS, hf_model  # noqa: F401 (a fixture)
-
-WORKERS = ("127.0.0.2", "127.0.0.3")
-ON_WORKERS = {"rollout": 0.01}
-LORA_KWARGS = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+from ..helpers import LORA_KWARGS, WORKERS, launch_on_workers
 
 
 @pytest.fixture(scope="package")
 def loopback():
     if ray.is_initialized():
-        pytest.skip("this process already holds a Ray connection; run tests/cluster first or alone")
+        pytest.fail(
+            "this process still holds a Ray connection (a test that did not shut its service "
+            "down?); the loopback cluster needs a process without one"
+        )
     saved = {k: os.environ.get(k) for k in LoopbackCluster.env()}
     os.environ.update(LoopbackCluster.env())
     cluster = LoopbackCluster([NodeSpec(ip, 2, {"rollout": 2}) for ip in WORKERS]).start()
@@ -46,17 +45,6 @@ def loopback():
         assert not left, f"processes of the loopback cluster left behind: {left}"
 
 
-def launch_on_workers(cluster, model, **kwargs) -> VLLMService:
-    """A service on ``cluster`` whose replicas go to the worker nodes only."""
-    return VLLMService.launch(
-        model,
-        ray_address=cluster.address,
-        replica_resources=ON_WORKERS,
-        **{"health_check_interval": 0, **kwargs},
-        **ENGINE_KWARGS,
-    )
-
-
 @pytest.fixture(scope="package")
 def spread_service(loopback, tiny_model):
     """Two replicas spread over the two worker nodes, LoRA on."""
@@ -71,7 +59,3 @@ def spread_service(loopback, tiny_model):
     )
     yield svc
     svc.shutdown()
-
-
-def nodes_of(service) -> dict[int, str]:
-    return {rid: service.replica_info(rid).node_ip for rid in service.replica_ids}

@@ -7,7 +7,6 @@ Tests run in file order and share one service: the last one kills a node.
 from __future__ import annotations
 
 import concurrent.futures
-import copy
 import glob
 import json
 import logging
@@ -26,15 +25,17 @@ from torchrl_vllm_ext import InsufficientResourcesError, WeightSyncScheme
 from torchrl_vllm_ext.testing.loopback_cluster import LoopbackCluster
 from torchrl_vllm_ext.weight_sync.adapters import AdapterSync
 
-from ..integration.conftest import (
+from ..helpers import (
     SEQUENCE,
+    WORKERS,
     assert_replicas_match,
     hf_token_logprobs,
+    launch_on_workers,
+    make_adapter,
+    nodes_of,
     perturb,
     wait_until,
 )
-from ..integration.test_lora import make_adapter
-from .conftest import WORKERS, launch_on_workers, nodes_of
 
 logger = logging.getLogger(__name__)
 LONG = {"max_tokens": 200, "ignore_eos": True}
@@ -49,14 +50,11 @@ def shipped_copies(lora_id) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="module")
-def trainer(hf_model):
-    return copy.deepcopy(hf_model)
-
-
 def test_spread_puts_one_replica_on_each_worker_node_and_none_on_the_head(spread_service):
     assert sorted(nodes_of(spread_service).values()) == list(WORKERS)
-    data = spread_service.generate_batch([[5, 6, 7]] * 4, {"max_tokens": 4}, routing="round_robin")
+    data = spread_service.generate_request_data(
+        [[5, 6, 7]] * 4, {"max_tokens": 4}, routing="round_robin"
+    )
     assert {d.replica_id for d in data} == set(spread_service.replica_ids)
 
 
@@ -85,7 +83,7 @@ def test_adapter_files_reach_replicas_on_other_nodes(spread_service, tiny_model,
     assert len(shipped) == 2, f"one private copy per replica node, found {shipped}"
     assert all((Path(d) / "adapter_model.safetensors").is_file() for d in shipped)
     expected = hf_token_logprobs(peft_model, SEQUENCE)
-    data = spread_service.generate_batch(
+    data = spread_service.generate_request_data(
         [SEQUENCE] * 2,
         {"max_tokens": 1, "prompt_logprobs": 0},
         routing="round_robin",
@@ -152,7 +150,7 @@ def test_node_loss_mid_batch_loses_nothing_and_new_replicas_serve_the_current_ve
     (victim,) = [rid for rid, ip in nodes_of(svc).items() if ip == victim_ip]
     batch = [[7, 8, 9, 10 + i % 50, 11 + i % 50] for i in range(480)]
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(svc.generate_batch, batch, LONG, routing="round_robin")
+        fut = pool.submit(svc.generate_request_data, batch, LONG, routing="round_robin")
         wait_until(
             lambda: any(s.running > 0 for s in svc.stats() if s.replica_id == victim),
             60,

@@ -53,7 +53,7 @@ def gpu_service(model_dir):
 
 
 def served_logprobs(svc) -> dict[int, torch.Tensor]:
-    data = svc.generate_batch(
+    data = svc.generate_request_data(
         [SEQUENCE] * svc.num_replicas,
         {"max_tokens": 1, "prompt_logprobs": 0},
         routing="round_robin",
@@ -77,7 +77,7 @@ def perturb(model, seed: int) -> None:
 
 def test_replicas_run_on_gpus(gpu_service):
     assert gpu_service.uses_gpu and gpu_service.num_replicas == 2
-    out = gpu_service.generate_batch([[5, 6, 7]] * 4, {"max_tokens": 8})
+    out = gpu_service.generate_request_data([[5, 6, 7]] * 4, {"max_tokens": 8})
     assert all(len(d.samples[0].token_ids) == 8 for d in out)
 
 

@@ -20,16 +20,11 @@ from transformers import AutoModelForCausalLM
 from torchrl_vllm_ext import AsyncCollection, TokenCopyEnv, VLLMPolicy, WeightSyncScheme
 from torchrl_vllm_ext.collectors import mask_stale_tokens, sample_versions
 
-from .conftest import wait_until
+from ..helpers import wait_until
 
 ENV_BATCH = 4
 STEPS = 3
 TRAIN_S = 0.4  # the deliberately slow training step
-
-
-@pytest.fixture(scope="module")
-def trainer(tiny_model):
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,15 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchrl_vllm_ext import TokenCopyEnv, VLLMPolicy, WeightSyncScheme, WeightSyncUpdater
 
-from .conftest import grpo_backward
+from ..helpers import grpo_backward
 
 ROUNDS = 3
 ENV_BATCH = 4
-
-
-@pytest.fixture(scope="module")
-def trainer(tiny_model):
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

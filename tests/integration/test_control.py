@@ -9,7 +9,7 @@ import pytest
 
 from torchrl_vllm_ext import ConfigurationError
 
-from .conftest import wait_until
+from ..helpers import wait_until
 
 LONG = {"max_tokens": 48, "ignore_eos": True}
 
@@ -19,7 +19,7 @@ def batch(n=8, seed=0):
 
 
 def start_batch(pool, service, params=LONG, n=8):
-    fut = pool.submit(service.generate_batch, batch(n), params, routing="round_robin")
+    fut = pool.submit(service.generate_request_data, batch(n), params, routing="round_robin")
     wait_until(
         lambda: any(s.running > 0 for s in service.stats()) or fut.done(),
         60,
@@ -74,7 +74,7 @@ def test_wait_drains_in_flight_requests_before_returning(service, pool):
 def test_requests_submitted_while_paused_wait_for_resume(service, pool):
     service.pause("keep")
     try:
-        fut = pool.submit(service.generate_batch, batch(2, seed=1), {"max_tokens": 2})
+        fut = pool.submit(service.generate_request_data, batch(2, seed=1), {"max_tokens": 2})
         time.sleep(1.0)
         assert not fut.done()
     finally:

@@ -8,7 +8,7 @@ import torch
 
 from torchrl_vllm_ext import GenerationTimeoutError, RequestData
 
-from .conftest import hf_token_logprobs
+from ..helpers import hf_token_logprobs
 
 
 def random_prompts(n: int, seed: int = 0, vocab: int = 500) -> list[list[int]]:
@@ -44,10 +44,10 @@ def test_batch_of_64_with_n4_matches_transformers_logprobs(service, hf_model):
     assert worst < 1e-4, f"max |vLLM - transformers| log-prob = {worst:.2e}"
 
 
-def test_generate_batch_returns_plain_numpy_with_version_tags(service):
+def test_generate_request_data_returns_plain_numpy_with_version_tags(service):
     service.set_weight_version(5)
     try:
-        data = service.generate_batch(
+        data = service.generate_request_data(
             random_prompts(8, seed=1), {"max_tokens": 4, "n": 2, "ignore_eos": True}
         )
     finally:
@@ -66,8 +66,8 @@ def test_generate_batch_returns_plain_numpy_with_version_tags(service):
 def test_per_prompt_sampling_params_and_seeds(service):
     prompts = random_prompts(4, seed=2)
     params = [{"max_tokens": 3 + i, "seed": 7, "temperature": 1.0} for i in range(4)]
-    first = service.generate_batch(prompts, params)
-    again = service.generate_batch(prompts, params)
+    first = service.generate_request_data(prompts, params)
+    again = service.generate_request_data(prompts, params)
     assert [len(d.samples[0].token_ids) for d in first] == [3, 4, 5, 6]
     for a, b in zip(first, again, strict=True):
         assert a.samples[0].token_ids.tolist() == b.samples[0].token_ids.tolist(), (
@@ -78,10 +78,10 @@ def test_per_prompt_sampling_params_and_seeds(service):
 def test_timeout_aborts_requests_inside_vllm(service):
     long = {"max_tokens": 200, "ignore_eos": True}
     with pytest.raises(GenerationTimeoutError, match="aborted in vLLM"):
-        service.generate_batch(random_prompts(8, seed=3), long, timeout=0.3)
+        service.generate_request_data(random_prompts(8, seed=3), long, timeout=0.3)
     # The aborted requests would keep vLLM busy for seconds; after one more engine
     # step the schedulers must hold nothing.
-    service.generate_batch(random_prompts(2, seed=4), {"max_tokens": 1})
+    service.generate_request_data(random_prompts(2, seed=4), {"max_tokens": 1})
     for st in service.stats():
         assert (st.running, st.waiting, st.outstanding) == (0, 0, 0), st
 
@@ -89,11 +89,11 @@ def test_timeout_aborts_requests_inside_vllm(service):
 def test_stats_are_read_from_vllm_under_load(service):
     import concurrent.futures
 
-    from .conftest import wait_until
+    from ..helpers import wait_until
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(
-            service.generate_batch,
+            service.generate_request_data,
             random_prompts(32, seed=5),
             {"max_tokens": 120, "ignore_eos": True},
             routing="round_robin",

@@ -25,7 +25,7 @@ from torchrl_vllm_ext.cli import build_parser
 from torchrl_vllm_ext.jobs import generate
 from torchrl_vllm_ext.jobs.generate_store import OutputDir, load_output
 
-from .conftest import wait_until
+from ..helpers import wait_until
 
 MAX_TOKENS = 4
 

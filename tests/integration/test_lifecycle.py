@@ -11,7 +11,7 @@ import ray
 from torchrl_vllm_ext import ReplicaStartupError, ServiceClosedError, VLLMService
 from torchrl_vllm_ext.testing import make_tiny_model
 
-from .conftest import CPUS_PER_REPLICA, ENGINE_KWARGS, wait_until
+from ..helpers import CPUS_PER_REPLICA, ENGINE_KWARGS, wait_until
 
 
 def live_groups(prefix: str) -> list[str]:

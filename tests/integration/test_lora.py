@@ -15,41 +15,10 @@ from torchrl_vllm_ext import (
     WeightSyncError,
 )
 
-from .conftest import CPUS_PER_REPLICA, ENGINE_KWARGS, hf_token_logprobs
+from ..helpers import CPUS_PER_REPLICA, ENGINE_KWARGS, hf_token_logprobs, make_adapter
 
 RANK = 8
 SEQUENCE = [5, 6, 7, 8, 9, 10, 40, 41, 42]
-
-
-def make_adapter(model_dir, out_dir, seed: int, rank: int = RANK):
-    """A PEFT LoRA on every linear layer of the tiny model with random (non-zero) A and B,
-    saved to ``out_dir``; returns the PEFT model (fp32, eval)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=2 * rank,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-        lora_dropout=0.0,
-    )
-    model = get_peft_model(base, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
-    model.save_pretrained(out_dir)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 from torchrl_vllm_ext import VLLMPolicy
 from torchrl_vllm_ext.envs import ScriptedChat
 
-from .conftest import hf_token_logprobs
+from ..helpers import hf_token_logprobs
 
 QUERIES = ["hello there", "count to four", "red green blue"]
 FOLLOW_UPS = ["go on", "and then?"]

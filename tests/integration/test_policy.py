@@ -11,7 +11,7 @@ from tensordict import TensorDict, lazy_stack, set_list_to_stack
 
 from torchrl_vllm_ext import ConfigurationError, InvalidRequestError, VLLMPolicy
 
-from .conftest import ENGINE_KWARGS, grpo_backward, hf_token_logprobs
+from ..helpers import ENGINE_KWARGS, grpo_backward, hf_token_logprobs
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [40, 41, 42, 43]]
 GREEDY = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}

@@ -11,7 +11,7 @@ from tensordict import TensorDict, lazy_stack
 
 from torchrl_vllm_ext import ReferenceKL, TokenCountEnv, VLLMPolicy
 
-from .conftest import hf_token_logprobs
+from ..helpers import hf_token_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,10 @@ import signal
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from torchrl_vllm_ext import ConfigurationError, VLLMService, WeightSyncError, WeightSyncScheme
 
-from .conftest import (
+from ..helpers import (
     CPUS_PER_REPLICA,
     ENGINE_KWARGS,
     assert_replicas_match,
@@ -19,11 +18,6 @@ from .conftest import (
     perturb,
     wait_until,
 )
-
-
-@pytest.fixture(scope="module")
-def trainer(tiny_model):
-    return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +103,10 @@ def test_prefix_cache_never_serves_entries_from_old_weights(service, trainer, sc
     # 200 tokens span a full 128-token CPU KV block, so the prefix cache holds it.
     prompt = [(7 * i) % 500 + 3 for i in range(200)]
     greedy = {"max_tokens": 8, "temperature": 0.0}
-    service.generate_batch([prompt] * 4, greedy, routing="round_robin")  # warm the cache
+    service.generate_request_data([prompt] * 4, greedy, routing="round_robin")  # warm the cache
     perturb(trainer, seed=4242)
     schemes["storage"].push(trainer, version="cache-1")
-    for d in service.generate_batch([prompt] * 4, greedy, routing="round_robin"):
+    for d in service.generate_request_data([prompt] * 4, greedy, routing="round_robin"):
         s = d.samples[0]
         ref = hf_token_logprobs(trainer, prompt + s.token_ids.tolist())[len(prompt) - 1 :]
         assert (torch.tensor(s.logprobs) - ref).abs().max().item() < 1e-4

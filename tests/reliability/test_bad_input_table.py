@@ -30,7 +30,7 @@ from torchrl_vllm_ext import (
 )
 from torchrl_vllm_ext.weight_sync.slots import CURRENT, SlotWriter
 
-from .conftest import wait_ready
+from ..helpers import wait_ready
 
 OK = {"max_tokens": 2}
 # A message says what to do about it: one of these words appears in every one of them.
@@ -174,38 +174,38 @@ def scribbled_slot(c: Ctx):
 # (name, call, error type, regex the message matches: the bad value)
 CASES = [
     # ---- service
-    ("service: empty prompt", lambda c: c.service.generate_batch([[1, 2], []], OK),
+    ("service: empty prompt", lambda c: c.service.generate_request_data([[1, 2], []], OK),
      InvalidRequestError, "prompt 1 is empty"),
-    ("service: out-of-vocabulary id", lambda c: c.service.generate_batch([[1, 99999]], OK),
+    ("service: out-of-vocabulary id", lambda c: c.service.generate_request_data([[1, 99999]], OK),
      InvalidRequestError, "token id 99999"),
-    ("service: negative id", lambda c: c.service.generate_batch([[-5, 1]], OK),
+    ("service: negative id", lambda c: c.service.generate_request_data([[-5, 1]], OK),
      InvalidRequestError, "token id -5"),
-    ("service: over-long prompt", lambda c: c.service.generate_batch([[1] * 300], OK),
+    ("service: over-long prompt", lambda c: c.service.generate_request_data([[1] * 300], OK),
      InvalidRequestError, "300 tokens but max_model_len is 256"),
-    ("service: text instead of ids", lambda c: c.service.generate_batch(["hello"], OK),
+    ("service: text instead of ids", lambda c: c.service.generate_request_data(["hello"], OK),
      InvalidRequestError, r"prompt 0 is a string \('hello'\)"),
-    ("service: float ids", lambda c: c.service.generate_batch([[1.5, 2.0]], OK),
+    ("service: float ids", lambda c: c.service.generate_request_data([[1.5, 2.0]], OK),
      InvalidRequestError, "dtype float64; token ids must be integers"),
-    ("service: 2-D array", lambda c: c.service.generate_batch(np.ones((2, 3), dtype=np.int64), OK),
+    ("service: 2-D array", lambda c: c.service.generate_request_data(np.ones((2, 3), dtype=np.int64), OK),
      InvalidRequestError, "2-D array"),
-    ("service: not a sequence", lambda c: c.service.generate_batch(42, OK),
+    ("service: not a sequence", lambda c: c.service.generate_request_data(42, OK),
      InvalidRequestError, "got int"),
-    ("service: negative max_tokens", lambda c: c.service.generate_batch([[1, 2]], {"max_tokens": -3}),
+    ("service: negative max_tokens", lambda c: c.service.generate_request_data([[1, 2]], {"max_tokens": -3}),
      InvalidRequestError, "max_tokens=-3"),
-    ("service: zero samples", lambda c: c.service.generate_batch([[1, 2]], {"max_tokens": 2, "n": 0}),
+    ("service: zero samples", lambda c: c.service.generate_request_data([[1, 2]], {"max_tokens": 2, "n": 0}),
      InvalidRequestError, "n=0"),
     ("service: misspelled sampling field",
-     lambda c: c.service.generate_batch([[1, 2]], {"max_tokens": 2, "temprature": 1.0}),
+     lambda c: c.service.generate_request_data([[1, 2]], {"max_tokens": 2, "temprature": 1.0}),
      InvalidRequestError, "'temprature'.*did you mean 'temperature'"),
     ("service: negative temperature",
-     lambda c: c.service.generate_batch([[1, 2]], {"max_tokens": 2, "temperature": -1.0}),
+     lambda c: c.service.generate_request_data([[1, 2]], {"max_tokens": 2, "temperature": -1.0}),
      InvalidRequestError, "temperature must be non-negative, got -1.0"),
     ("service: sampling params of the wrong type",
-     lambda c: c.service.generate_batch([[1, 2]], "greedy"),
+     lambda c: c.service.generate_request_data([[1, 2]], "greedy"),
      InvalidRequestError, "got str"),
-    ("service: one params per prompt mismatch", lambda c: c.service.generate_batch([[1], [2]], [OK]),
+    ("service: one params per prompt mismatch", lambda c: c.service.generate_request_data([[1], [2]], [OK]),
      InvalidRequestError, "1 sampling params for 2 prompts"),
-    ("service: unknown routing", lambda c: c.service.generate_batch([[1, 2]], OK, routing="fastest"),
+    ("service: unknown routing", lambda c: c.service.generate_request_data([[1, 2]], OK, routing="fastest"),
      UnknownRoutingStrategyError, "'fastest'"),
     ("service: unknown pause mode", lambda c: c.service.pause("freeze"),
      ConfigurationError, "'freeze'"),
@@ -302,6 +302,6 @@ def test_bad_input_gets_a_typed_error_and_the_service_keeps_serving(ctx, name, c
         call(ctx)
     assert isinstance(info.value, TorchRLVLLMError)
     assert FIX.search(str(info.value)), f"the message says no fix: {info.value}"
-    out = ctx.service.generate_batch([[1, 2, 3]], OK)
+    out = ctx.service.generate_request_data([[1, 2, 3]], OK)
     assert len(out[0].samples[0].token_ids) == 2
     assert set(ctx.service.weight_versions().values()) == {version}, "nothing was loaded"

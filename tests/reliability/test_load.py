@@ -1,7 +1,7 @@
 """Thousands of concurrent requests through the service and the policy, without deadlock.
 
 Client coroutines keep about 1,300 requests in flight at once for ``duration`` seconds
-(20 by default, minutes with ``--runslow``), half through ``VLLMService.agenerate_batch``
+(20 by default, minutes with ``--runslow``), half through ``VLLMService.agenerate_request_data``
 and half through ``VLLMPolicy.aforward``. Every call must return a full answer; the
 resident memory of the driver and the replicas is measured before and after (its
 growth is checked against a generous bound: a correctness check for leaks, not a timing).
@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from torchrl_vllm_ext import VLLMPolicy
 
-from .conftest import prompts, service_rss, wait_ready
+from ..helpers import prompts, service_rss, wait_ready
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ async def run_load(service, policy, duration: float) -> dict[str, int]:
         while loop.time() < stop_at:
             batch = prompts(SERVICE_BATCH, seed=i * 1000 + k)
             k += 1
-            data = await asyncio.wait_for(service.agenerate_batch(batch, PARAMS), HANG_GUARD_S)
+            data = await asyncio.wait_for(
+                service.agenerate_request_data(batch, PARAMS), HANG_GUARD_S
+            )
             assert [d.prompt_token_ids.tolist() for d in data] == batch
             assert all(len(d.samples[0].token_ids) == MAX_TOKENS for d in data)
             counts["service"] += len(batch)
@@ -87,5 +89,5 @@ def test_concurrent_load_without_deadlock_and_flat_memory(service, duration):
     assert rss_end < rss_start * 1.5 + 200e6, (
         f"RSS grew {rss_start / 1e6:.0f} -> {rss_end / 1e6:.0f} MB"
     )
-    data = service.generate_batch([[1, 2, 3]], {"max_tokens": 2, "ignore_eos": True})
+    data = service.generate_request_data([[1, 2, 3]], {"max_tokens": 2, "ignore_eos": True})
     assert len(data[0].samples[0].token_ids) == 2

@@ -16,7 +16,7 @@ import pytest
 
 from torchrl_vllm_ext import WeightSyncError
 
-from .conftest import (
+from ..helpers import (
     Traffic,
     assert_replicas_match,
     kill_replica,
@@ -51,7 +51,9 @@ def test_sigkill_during_generation_loses_no_request(service, kills):
     ok, errors = traffic.check()
     assert ok > 0
     logger.info("%d batches answered, %d failed with a typed error", ok, errors)
-    data = service.generate_batch(prompts(4, seed=1), {"max_tokens": 2}, routing="round_robin")
+    data = service.generate_request_data(
+        prompts(4, seed=1), {"max_tokens": 2}, routing="round_robin"
+    )
     assert {d.replica_id for d in data} == set(service.replica_ids)
 
 

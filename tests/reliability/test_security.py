@@ -25,7 +25,7 @@ import torch
 from torchrl_vllm_ext import WeightSyncError, WeightSyncScheme
 from torchrl_vllm_ext.weight_sync.slots import CURRENT, SlotReader, SlotWriter
 
-from .conftest import assert_replicas_match, perturb, wait_ready
+from ..helpers import assert_replicas_match, perturb, wait_ready
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
@@ -85,7 +85,7 @@ def test_replicas_keep_insecure_serialization_off(service):
         handle = service.replica_handle(rid)
         with pytest.raises(Exception, match="VLLM_ALLOW_INSECURE_SERIALIZATION"):
             ray.get(handle.collective_rpc.remote(len, ()))
-    out = service.generate_batch([[1, 2, 3]], {"max_tokens": 2, "ignore_eos": True})
+    out = service.generate_request_data([[1, 2, 3]], {"max_tokens": 2, "ignore_eos": True})
     assert len(out[0].samples[0].token_ids) == 2
 
 

@@ -19,10 +19,11 @@ import ray
 
 from torchrl_vllm_ext import WeightSyncError, WeightSyncScheme
 from torchrl_vllm_ext.weight_sync.collective import free_port
-from torchrl_vllm_ext.weight_sync.packing import header_to_json, pack
+from torchrl_vllm_ext.weight_sync.packing import pack
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
+from torchrl_vllm_ext.weight_sync.specs import to_json
 
-from .conftest import assert_replicas_match, perturb, replica_logprobs, wait_ready, wait_until
+from ..helpers import assert_replicas_match, perturb, replica_logprobs, wait_ready, wait_until
 
 BUCKET_BYTES = 64 << 10
 TIMEOUT_S = 60.0  # the group's timeout: a trainer that stalls instead of dying is caught by it
@@ -86,10 +87,7 @@ def test_trainer_dies_mid_broadcast(service, trainer, scheme, tiny_model, tmp_pa
     try:
         ray.get(joins)
         ray.get(
-            [
-                h.collective_rpc.remote("stage_weight_broadcast", (header_to_json(header),))
-                for h in handles
-            ]
+            [h.collective_rpc.remote("stage_weight_broadcast", (to_json(header),)) for h in handles]
         )
         if mode == "kill":
             assert proc.wait(timeout=300) == -signal.SIGKILL
@@ -119,7 +117,7 @@ def test_trainer_dies_mid_broadcast(service, trainer, scheme, tiny_model, tmp_pa
 
     # A new trainer's push forms a new group and lands exactly.
     perturb(trainer, seed=2000 + seed)
-    with WeightSyncScheme(service, transport="broadcast", timeout_s=TIMEOUT_S) as fresh:
+    with WeightSyncScheme(service, transport="broadcast", timeout=TIMEOUT_S) as fresh:
         fresh.push(trainer, version=f"after-trainer-death-{seed}")
         assert_replicas_match(service, trainer, f"after-trainer-death-{seed}")
     # Hand the live weights back to the package's storage scheme (restarts follow it).

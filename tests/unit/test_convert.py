@@ -4,46 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import warnings
-from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict, lazy_stack
 
+from torchrl_vllm_ext.batches import RequestBatch
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
-from torchrl_vllm_ext.messages import ReplicaInfo, RequestBatch, RequestData, SampleData
 from torchrl_vllm_ext.wrappers import VLLMPolicy, convert, scoring
+
+from ..helpers import FakeService, request
 
 PAD = 0
 NAN = float("nan")
-
-
-def sample(ids, finish="length", text=""):
-    ids = np.asarray(ids, dtype=np.int64)
-    return SampleData(
-        token_ids=ids,
-        logprobs=-(np.arange(len(ids), dtype=np.float32) + 1) / 10,
-        finish_reason=finish,
-        stop_reason=None,
-        text=text,
-    )
-
-
-def request(prompt, responses, prompt_lp=False, version="3"):
-    prompt = np.asarray(prompt, dtype=np.int64)
-    plp = None
-    if prompt_lp:
-        plp = -np.arange(len(prompt), dtype=np.float32) - 0.5
-        plp[0] = np.nan
-    return RequestData(
-        prompt_token_ids=prompt,
-        prompt_logprobs=plp,
-        samples=[sample(r) for r in responses],
-        replica_id=0,
-        weight_version_start=version,
-        weight_version_end=version,
-    )
 
 
 # ----------------------------------------------------------------------------- convert
@@ -151,39 +125,6 @@ def test_scored_padded_scatter():
 
 
 # ----------------------------------------------------------------------------- policy (fake)
-class FakeService:
-    """generate_batch like VLLMService: response = max_tokens ids counting up from the last id."""
-
-    replica_ids: ClassVar[list[int]] = [0]
-
-    def __init__(self, max_token_id=499):
-        self.calls = []
-        self.max_token_id = max_token_id
-
-    def replica_info(self, rid):
-        return ReplicaInfo(rid, 0, "127.0.0.1", 256, self.max_token_id, 1000)
-
-    def generate_batch(self, prompts, params, timeout=None, routing=None):
-        self.calls.append((prompts, params))
-        per = params if isinstance(params, list) else [params] * len(prompts)
-        out = []
-        for p, sp in zip(prompts, per, strict=True):
-            p = np.asarray(p)
-            n, m = sp.get("n", 1), sp.get("max_tokens", 4)
-            if sp.get("prompt_logprobs") == 0:
-                out.append(request(p, [[1]], prompt_lp=True))
-                continue
-            out.append(request(p, [(p[-1] + 1 + k + np.arange(m)) % 400 for k in range(n)]))
-        return out
-
-    def generate_flat(self, prompts, params, timeout=None, routing=None, lora=None):
-        return RequestBatch.from_requests(self.generate_batch(prompts, params, timeout=timeout))
-
-    async def agenerate_flat(self, prompts, params, timeout=None, routing=None, lora=None):
-        await asyncio.sleep(0)
-        return self.generate_flat(prompts, params, timeout=timeout)
-
-
 def prompts_td():
     return lazy_stack(
         [

@@ -11,7 +11,7 @@ from tensordict import TensorDict, lazy_stack, set_list_to_stack
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
 from torchrl_vllm_ext.wrappers import VLLMPolicy
 
-from .test_convert import FakeService as _FakeService
+from ..helpers import FakeService as _FakeService
 
 
 def fake_service():  # the tiny tokenizer's vocabulary (512 ids)
@@ -79,11 +79,11 @@ def test_scoring_history_keeps_the_history_and_its_rendered_text(tokenizer, pad_
 @pytest.mark.parametrize("pad_output", [False, True])
 def test_return_log_probs_false_drops_them(pad_output):
     td = TensorDict({("tokens", "prompt"): torch.tensor([[5, 6, 7]])}, batch_size=[1])
-    policy = VLLMPolicy(
-        fake_service(), return_log_probs=False, pad_output=pad_output, pad_token_id=0
-    )
+    service = fake_service()
+    policy = VLLMPolicy(service, return_log_probs=False, pad_output=pad_output, pad_token_id=0)
     out = policy(td)
     assert "log_probs" not in out.keys() and "log_probs" not in policy.out_keys
+    assert service.log_probs_asked is False, "vLLM is not asked to compute them"
     assert out.get(("tokens", "response"), as_list=True)[0].numel() > 0
     assert VLLMPolicy(fake_service(), return_log_probs=True).return_log_probs
     with pytest.raises(ConfigurationError, match="return_log_probs"):

@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from torchrl_vllm_ext.messages import RequestBatch, RequestData, SampleData
+from torchrl_vllm_ext.batches import RequestBatch
+from torchrl_vllm_ext.messages import RequestData, SampleData
 
 
 def sample(ids, lps=True, reason="length"):

@@ -10,7 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from torchrl_vllm_ext.engine.config import ServiceConfig
+from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView
 from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.messages import ReplicaInfo
 from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme
 from torchrl_vllm_ext.weight_sync.transports.base import Transport, WorkerCall
 
@@ -35,6 +38,7 @@ class Replica:
         self.rid, self.fail_load, self.version = rid, fail_load, "0"
         self.update_weights = Remote(self._update)
         self.set_weight_version = Remote(self._set)
+        self.reset_prefix_cache = Remote(lambda: True)
 
     def _update(self, method, args, version, pause_mode):
         if self.fail_load:
@@ -46,22 +50,28 @@ class Replica:
         self.version = version
 
 
+def view(replica: Replica) -> ReplicaView:
+    info = ReplicaInfo(replica.rid, 0, "127.0.0.1", 256, 100, 4096)
+    return ReplicaView(replica.rid, replica, info)
+
+
 class Service:
+    """The service surface a scheme uses, over a real pool of stand-in actors."""
+
     def __init__(self, model_dir, replicas):
         self.config = SimpleNamespace(model=str(model_dir))
+        self.pool = ReplicaPool(ServiceConfig(model=str(model_dir)), "test")
+        for r in replicas:
+            self.pool.adopt(view(r))
         self.replicas = {r.rid: r for r in replicas}
-        self.weights_provider = None
         self.uses_gpu = False
 
     @property
-    def replica_ids(self):
-        return sorted(self.replicas)
-
-    def replica_handle(self, rid):
-        return self.replicas[rid]
+    def weights_provider(self):
+        return self.pool.provider
 
     def set_weights_provider(self, provider):
-        self.weights_provider = provider
+        self.pool.set_provider(provider)
 
     def run(self, coro):
         return asyncio.run(coro)
@@ -75,7 +85,7 @@ class FakeTransport(Transport):
         self.events = []
 
     async def prepare(self, tensors, version, replicas, phases):
-        self.events.append(("prepare", version, [rid for rid, _ in replicas]))
+        self.events.append(("prepare", version, [r.replica_id for r in replicas]))
         return WorkerCall("load_it", (version,))
 
     async def commit(self, version):
@@ -84,13 +94,14 @@ class FakeTransport(Transport):
     async def rollback(self, version):
         self.events.append(("rollback", version))
 
-    async def bring_up(self, handle, version):
-        self.events.append(("bring_up", handle.rid, version))
+    async def bring_up(self, replica, version):
+        self.events.append(("bring_up", replica.replica_id, version))
 
 
 @pytest.fixture
 def model_dir(tmp_path):
     save_file(WEIGHTS, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
     return tmp_path
 
 
@@ -150,8 +161,8 @@ def test_bad_weights_touch_no_replica(model_dir):
 def test_a_restarted_replica_is_brought_to_the_live_version(model_dir):
     _service, scheme = scheme_for(model_dir, [Replica(0)])
     fresh = Replica(7)
-    asyncio.run(scheme.bring_up(fresh, 7))
+    asyncio.run(scheme.bring_up(view(fresh)))
     assert fresh.version == "0", "nothing pushed yet: nothing to bring"
     scheme.push(WEIGHTS, version=6)
-    asyncio.run(scheme.bring_up(fresh, 7))
+    asyncio.run(scheme.bring_up(view(fresh)))
     assert ("bring_up", 7, "6") in scheme.transport_impl.events and fresh.version == "6"

@@ -8,8 +8,9 @@ from transformers import AutoModelForCausalLM
 
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.testing import make_tiny_model
-from torchrl_vllm_ext.weight_sync.packing import header_from_json, header_to_json, pack, unpack
+from torchrl_vllm_ext.weight_sync.packing import pack, unpack
 from torchrl_vllm_ext.weight_sync.params import checksum, expected_specs, named_tensors, validate
+from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json, to_json
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ def test_pack_unpack_round_trip_with_mixed_dtypes():
         "d": torch.randn(5).to(torch.bfloat16),
     }
     header, buffers = pack(tensors, "v3", bucket_bytes=4000)
-    header = header_from_json(header_to_json(header))
+    header = from_json(to_json(header), UpdateHeader)
     assert header.version == "v3" and len(header.buckets) == len(buffers) == 3
     got = {}
     for spec, buf in zip(header.buckets, buffers, strict=True):

@@ -14,11 +14,10 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDictBase
 
-from torchrl_vllm_ext.collectors.staleness import VERSION_KEY, _check_lag, sample_versions
+from torchrl_vllm_ext.collectors.staleness import check_lag, sample_versions
 from torchrl_vllm_ext.wrappers.inputs import flatten_rows
+from torchrl_vllm_ext.wrappers.layout import END_FROM_KEY, END_VERSION_KEY, VERSION_KEY
 
-END_VERSION_KEY = ("vllm", "weight_version_end")
-END_FROM_KEY = ("vllm", "weight_version_end_from")
 ASSISTANT_MASK = ("masks", "all_assistant_mask")
 
 
@@ -29,7 +28,7 @@ def stale_prefix(td: TensorDictBase, current_version: int, max_policy_lag: int) 
     Tokens before ``weight_version_end_from`` count as the start version's (the oldest
     that could have made them), the others as the end version's.
     """
-    lag = _check_lag(max_policy_lag)
+    lag = check_lag(max_policy_lag)
     start = sample_versions(td, VERSION_KEY)
     end = sample_versions(td, END_VERSION_KEY)
     end_from = td.get(END_FROM_KEY).reshape(td.batch_size).long()

@@ -25,8 +25,8 @@ from torchrl.envs import Transform
 
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.wrappers.inputs import flatten_rows
+from torchrl_vllm_ext.wrappers.layout import VERSION_KEY
 
-VERSION_KEY = ("vllm", "weight_version")
 STALENESS_MODES = ("drop", "wait")
 
 
@@ -53,7 +53,7 @@ def sample_versions(td: TensorDictBase, key=VERSION_KEY) -> torch.Tensor:
     return ints.reshape(td.batch_size)
 
 
-def _check_lag(max_policy_lag) -> int:
+def check_lag(max_policy_lag) -> int:
     if (
         isinstance(max_policy_lag, bool)
         or not isinstance(max_policy_lag, int)
@@ -105,7 +105,7 @@ class StalenessFilter(Transform):
     ):
         super().__init__(in_keys=[version_key], out_keys=[])
         self.current_version = current_version
-        self.max_policy_lag = _check_lag(max_policy_lag)
+        self.max_policy_lag = check_lag(max_policy_lag)
         self.version_key = version_key
         self.dropped = 0
 
@@ -156,7 +156,7 @@ class StalenessGate:
 
     def __init__(self, current_version: Callable[[], int], max_policy_lag: int, poll_s=0.01):
         self.current_version = current_version
-        self.max_policy_lag = _check_lag(max_policy_lag)
+        self.max_policy_lag = check_lag(max_policy_lag)
         self.poll_s = poll_s
         self.started = 0
         self.waited_s = 0.0

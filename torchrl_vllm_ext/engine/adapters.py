@@ -73,16 +73,17 @@ class AdapterRegistry:
 
     def _add(self, name: str, path: str, shared: bool = False) -> Adapter:
         adapter = Adapter(name, next(self._ids), path, shared)
-        self._live[name] = adapter
+        self.put(adapter)
         return adapter
 
     def put(self, adapter: Adapter) -> None:
         """Make ``adapter`` the live one for its name again (undo a failed :meth:`add`)."""
-        self._live[adapter.name] = adapter
+        # Copy on write: readers on other threads iterate the dict they got.
+        self._live = {**self._live, adapter.name: adapter}
 
     def remove(self, name: str) -> Adapter:
         adapter = self.get(name)
-        del self._live[name]
+        self._live = {k: a for k, a in self._live.items() if k != name}
         return adapter
 
     def get(self, name: str) -> Adapter:

@@ -265,11 +265,10 @@ def process_env(res: ReplicaResources, config) -> dict[str, str | None]:
     * OpenMP threads: a replica that owns its node leaves one core to the rest of its
       processes (Ray's threads, an ``AsyncLLM`` engine core). An OpenMP team spread
       over every core stalls at each barrier whenever one of its threads is preempted
-      (2 cores, tiny model, engine in the actor: 2 threads 0.72-0.78 of in-process
-      ``vllm.LLM``, 1 thread 0.92-1.02; ``AsyncLLM``: 3.0k vs 5.9k tok/s).
+      (figures: docs/architecture.md, "Why the engines run as they do").
     * a single-worker ``AsyncLLM`` replica runs its worker inside the engine-core
       process (vLLM's uni executor): no worker process polling beside it, one IPC hop
-      less per step and per weight load (355 MB in the pause: 189 ms -> 129 ms). An
+      less per step and per weight load (shorter pauses). An
       in-process replica (:func:`in_process_engine`) builds its uni executor itself.
     * ``config.cpu_packed_weights`` reaches the worker extension, which reads it before
       the model loads (the worker extension keeps CPU weights in checkpoint layout unless it is set).
@@ -296,7 +295,7 @@ def in_process_engine(res: ReplicaResources, config) -> bool:
     """Whether a replica runs vLLM's ``LLMEngine`` in its actor (engine/inproc.py).
 
     On CPU, a single-worker replica does: no engine-core process, no IPC per step
-    (2 cores, tiny model: 0.68 of in-process ``vllm.LLM`` with ``AsyncLLM``). GPU and
+    (figures: docs/architecture.md). GPU and
     multi-worker replicas keep ``AsyncLLM``, whose engine core overlaps output
     processing with the next step; so does every replica with ``config.engine_process``.
     """

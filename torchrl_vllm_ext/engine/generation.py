@@ -1,22 +1,28 @@
 """The service's generation path: validate a batch, route it, send one call per replica,
 retry a dead replica's share on the others, merge the results in input order.
 
-A mixin of :class:`~torchrl_vllm_ext.engine.service.VLLMService` (its state: replicas,
-router, adapters, event loop), kept apart because it is the hot path and the largest
-concern of the service.
+A client of the :class:`~torchrl_vllm_ext.engine.pool.ReplicaPool`: it reads the ready
+snapshot, counts requests in flight with the pool's leases, and calls replicas through
+the pool, whose death policy records and restarts a replica that dies; this module only
+re-sends the dead replica's share.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Any
 
-from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS
-from torchrl_vllm_ext.engine.outputs import to_request_output
+import numpy as np
+
+from torchrl_vllm_ext.batches import PromptBatch, RequestBatch
+from torchrl_vllm_ext.engine.adapters import AdapterRegistry
+from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView
 from torchrl_vllm_ext.engine.routing import (
     ReplicaLoad,
+    RouterState,
     RoutingRequest,
     route,
     validate_strategies,
@@ -27,111 +33,71 @@ from torchrl_vllm_ext.engine.validation import (
     make_sampling_params,
     normalize_prompts,
 )
-from torchrl_vllm_ext.errors import InvalidRequestError, NoHealthyReplicaError, ReplicaDeadError
-from torchrl_vllm_ext.messages import ReplicaStats, RequestBatch, RequestData
-
-if TYPE_CHECKING:
-    from torchrl_vllm_ext.engine.service import _Replica
+from torchrl_vllm_ext.errors import InvalidRequestError, ReplicaDeadError
+from torchrl_vllm_ext.messages import ReplicaStats
 
 logger = logging.getLogger(__name__)
 
 
-class BatchGeneration:
-    """``generate`` / ``agenerate`` / ``*_batch`` / ``*_flat`` and what they share."""
+class Generation:
+    """Validate, route, send, retry and merge one batch over a :class:`ReplicaPool`.
 
-    def generate(
+    Args:
+        pool: the replicas.
+        adapters: the LoRA adapters the replicas serve (a request names one).
+        name: prefix of request ids.
+
+    Examples:
+        >>> from torchrl_vllm_ext.engine.config import ServiceConfig
+        >>> from torchrl_vllm_ext.testing import make_tiny_model
+        >>> pool = ReplicaPool(ServiceConfig(model=make_tiny_model()), "svc")
+        >>> gen = Generation(pool, AdapterRegistry(), "svc")
+        >>> gen.routing
+        ('session', 'prefix', 'least_outstanding')
+    """
+
+    def __init__(self, pool: ReplicaPool, adapters: AdapterRegistry, name: str):
+        self._pool = pool
+        self._adapters = adapters
+        self._name = name
+        self.routing = pool.config.routing  # checked by ServiceConfig
+        self._router_state = RouterState()
+        self._batches = itertools.count()
+        pool.on_death(self._router_state.sessions.forget)  # its prefix cache is gone
+
+    async def run(
         self,
         prompt_token_ids,
         sampling_params=None,
-        *,
-        timeout: float | None = None,
-        routing: str | Sequence[str] | None = None,
-        lora: str | None = None,
-    ) -> list:
-        """Generate for a batch of token-id prompts; vLLM ``RequestOutput``s in input order.
+        timeout=None,
+        routing=None,
+        lora=None,
+        return_log_probs: bool = True,
+    ) -> RequestBatch:
+        """One batch, on the service's event loop; a :class:`RequestBatch` in input order.
 
-        Args:
-            prompt_token_ids: a list of 1-D token-id sequences.
-            sampling_params: a ``vllm.SamplingParams``, a dict of its fields, or a list
-                with one per prompt. Sampled-token log-probs are always returned.
-            timeout: seconds; on expiry the requests are aborted inside vLLM and
-                :class:`~torchrl_vllm_ext.errors.GenerationTimeoutError` is raised.
-            routing: override the service's routing strategies for this batch.
-            lora: name of a LoRA adapter added with :meth:`add_lora` (None: base weights).
+        ``return_log_probs=False``: vLLM does not compute the sampled tokens' log-probs
+        (``RequestBatch.has_logprobs`` is False; the arrays hold NaN).
         """
-        return self.run(
-            self.agenerate(
-                prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-            )
-        )
-
-    async def agenerate(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
-    ) -> list:
-        """Async :meth:`generate`."""
-        data = await self.agenerate_batch(
-            prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-        )
-        return [to_request_output(d, f"{self.name}-{i}") for i, d in enumerate(data)]
-
-    def generate_batch(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
-    ) -> list[RequestData]:
-        """Like :meth:`generate` but returns plain :class:`RequestData` (numpy arrays)."""
-        return self.generate_flat(
-            prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-        ).unpack()
-
-    async def agenerate_batch(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
-    ) -> list[RequestData]:
-        """Async :meth:`generate_batch`."""
-        flat = await self.agenerate_flat(
-            prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-        )
-        return flat.unpack()
-
-    def generate_flat(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
-    ) -> RequestBatch:
-        """Like :meth:`generate` but returns one :class:`RequestBatch` of flat arrays, in
-        input order: the fastest form, which ``VLLMPolicy`` converts to a TensorDict."""
-        return self.run(self._generate(prompt_token_ids, sampling_params, timeout, routing, lora))
-
-    async def agenerate_flat(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
-    ) -> RequestBatch:
-        """Async :meth:`generate_flat`."""
-        return await self.arun(
-            self._generate(prompt_token_ids, sampling_params, timeout, routing, lora)
-        )
-
-    async def _generate(
-        self, prompt_token_ids, sampling_params, timeout, routing, lora=None
-    ) -> RequestBatch:
         prompts = normalize_prompts(prompt_token_ids)
         adapter = self._adapters.get(lora) if lora is not None else None
-        per_prompt = isinstance(sampling_params, list | tuple)
-        if per_prompt:
-            if len(sampling_params) != len(prompts):
-                raise InvalidRequestError(
-                    f"{len(sampling_params)} sampling params for {len(prompts)} prompts; "
-                    "pass one per prompt or a single one."
-                )
-            params = [make_sampling_params(p) for p in sampling_params]
+        base, seeds, per_prompt = split_seeds(sampling_params, len(prompts))
+        if per_prompt is not None:
+            params = [make_sampling_params(p, want_logprobs=return_log_probs) for p in per_prompt]
         else:
-            params = [make_sampling_params(sampling_params)] * len(prompts)
-        await self._wait_for_ready()
-        limits = self._limits
+            params = [make_sampling_params(base, want_logprobs=return_log_probs)] * len(prompts)
+        await self._pool.wait_ready()
+        limits = self._pool.limits
         check_prompts(prompts, limits.max_token_id, limits.max_model_len)
-        strategies = validate_strategies(routing) if routing is not None else self._routing
+        strategies = validate_strategies(routing) if routing is not None else self.routing
         expected = expected_kv_tokens(prompts, params, limits.max_model_len)
         batch = next(self._batches)
 
         parts: list[tuple[list[int], RequestBatch]] = []
         pending = list(range(len(prompts)))
-        for attempt in range(self.config.max_retries + 1):
-            live = await self._wait_for_ready()
+        max_retries = self._pool.config.max_retries
+        for attempt in range(max_retries + 1):
+            live = await self._pool.wait_ready()
             if len(live) == 1:  # nothing to choose: skip the prefix hashes and stats calls
                 assignment = [live[0].replica_id] * len(pending)
             else:
@@ -142,28 +108,29 @@ class BatchGeneration:
                     strategies,
                     self._router_state,
                 )
+            views = {v.replica_id: v for v in live}
             groups: dict[int, list[int]] = {}
             for idx, rid in zip(pending, assignment, strict=True):
                 groups.setdefault(rid, []).append(idx)
             sends = [
                 self._send(
-                    self._replicas[rid],
+                    views[rid],
                     idxs,
                     prompts,
                     params,
-                    per_prompt,
+                    per_prompt is not None,
+                    seeds,
                     timeout,
-                    f"{self.name}-b{batch}-a{attempt}",
+                    f"{self._name}-b{batch}-a{attempt}",
                     adapter,
                 )
                 for rid, idxs in groups.items()
             ]
             outcomes = await asyncio.gather(*sends, return_exceptions=True)
             failed, error = [], None
-            for (rid, idxs), outcome in zip(groups.items(), outcomes, strict=True):
+            for idxs, outcome in zip(groups.values(), outcomes, strict=True):
                 if isinstance(outcome, BaseException):
-                    if isinstance(outcome, DEATH_ERRORS):
-                        self._on_replica_death(rid, outcome)
+                    if isinstance(outcome, ReplicaDeadError):  # recorded by the pool
                         failed.extend(idxs)
                     elif error is None:
                         error = outcome
@@ -181,64 +148,69 @@ class BatchGeneration:
                 "batch %d: %d prompts lost a replica; retrying on the others", batch, len(pending)
             )
         raise ReplicaDeadError(
-            f"batch {batch}: {len(pending)} prompts failed on a dead replica {self.config.max_retries + 1} "
+            f"batch {batch}: {len(pending)} prompts failed on a dead replica {max_retries + 1} "
             "times; check the replicas' logs (out of memory?) or raise max_retries."
         )
 
     async def _send(
-        self, rep: _Replica, idxs, prompts, params, per_prompt, timeout, prefix, adapter=None
+        self, rep: ReplicaView, idxs, prompts, params, per_prompt, seeds, timeout, prefix, adapter
     ):
-        rep.inflight += len(idxs)
-        rep.idle.clear()
-        try:
-            sp = [params[i] for i in idxs] if per_prompt else params[0]
-            ids = [f"{prefix}-{i}" for i in idxs]
-            # Lists, not arrays: Ray gives every array its own out-of-band buffer.
-            return await rep.actor.generate.remote(
-                [prompts[i].tolist() for i in idxs], sp, ids, timeout, adapter
-            )
-        finally:
-            rep.inflight -= len(idxs)
-            if rep.inflight == 0:
-                rep.idle.set()
+        requests = PromptBatch.of(
+            [prompts[i] for i in idxs],
+            prefix,
+            idxs,
+            seeds=None if seeds is None else seeds[idxs],
+        )
+        sp = [params[i] for i in idxs] if per_prompt else params[0]
+        async with self._pool.lease(rep.replica_id, len(idxs)):
+            return await self._pool.call(rep, "generate", requests, sp, timeout, adapter)
 
-    async def _loads(self, live: list[_Replica], strategies) -> list[ReplicaLoad]:
+    async def _loads(self, live: tuple[ReplicaView, ...], strategies) -> list[ReplicaLoad]:
         kv: dict[int, ReplicaStats] = {}
         if "kv_cache" in strategies:
-            stats = await asyncio.gather(
-                *(r.actor.stats.remote() for r in live), return_exceptions=True
-            )
-            for rep, st in zip(live, stats, strict=True):
-                if isinstance(st, ReplicaStats):
-                    kv[rep.replica_id] = st
-                else:
-                    # Unknown usage: the kv_cache strategy then defers to the next strategy.
-                    logger.debug("no stats from replica %d: %s", rep.replica_id, st)
+            stats = await self._pool.call_all("stats", replicas=live)
+            kv = stats.results
+            for rid, error in {**stats.errors, **stats.dead}.items():
+                # Unknown usage: the kv_cache strategy then defers to the next strategy.
+                logger.debug("no stats from replica %d: %s", rid, error)
         return [
             ReplicaLoad(
                 replica_id=r.replica_id,
-                outstanding=r.inflight,
+                outstanding=self._pool.inflight(r.replica_id),
                 kv_cache_usage=kv[r.replica_id].kv_cache_usage if r.replica_id in kv else None,
-                kv_capacity_tokens=r.info.kv_capacity_tokens if r.info else None,
+                kv_capacity_tokens=r.info.kv_capacity_tokens,
             )
             for r in live
         ]
 
-    async def _wait_for_ready(self) -> list[_Replica]:
-        """Ready replicas; waits for one being (re)started when none is ready."""
-        deadline = asyncio.get_running_loop().time() + self.config.startup_timeout
-        while True:
-            live = [r for r in self._replicas.values() if r.state == "ready"]
-            if live:
-                return live
-            starting = any(r.state == "starting" for r in self._replicas.values())
-            if self._closed or not starting or asyncio.get_running_loop().time() > deadline:
-                raise NoHealthyReplicaError(
-                    f"service {self.name} has no ready replica "
-                    f"(states: { {r.replica_id: r.state for r in self._replicas.values()} }); "
-                    "add replicas with add_replicas() or check the replicas' logs."
-                )
-            await asyncio.sleep(self.config.ready_poll_interval)
+
+def split_seeds(sampling_params, n: int) -> tuple[Any, np.ndarray | None, list | None]:
+    """``(one params, seeds array or None, None)`` when the prompts share their sampling
+    parameters but for the seed (the policy's per-element seeds), so one ``SamplingParams``
+    and an int array cross Ray; else ``(None, None, one params per prompt)``.
+
+    Examples:
+        >>> base, seeds, per = split_seeds([{"max_tokens": 4, "seed": s} for s in (7, 8)], 2)
+        >>> base, seeds.tolist(), per
+        ({'max_tokens': 4}, [7, 8], None)
+        >>> split_seeds({"max_tokens": 4}, 3)
+        ({'max_tokens': 4}, None, None)
+        >>> split_seeds([{"max_tokens": 4}, {"max_tokens": 5}], 2)[2]
+        [{'max_tokens': 4}, {'max_tokens': 5}]
+    """
+    if not isinstance(sampling_params, list | tuple):
+        return sampling_params, None, None
+    if len(sampling_params) != n:
+        raise InvalidRequestError(
+            f"{len(sampling_params)} sampling params for {n} prompts; "
+            "pass one per prompt or a single one."
+        )
+    if n and all(isinstance(p, Mapping) for p in sampling_params):
+        bases = [{k: v for k, v in p.items() if k != "seed"} for p in sampling_params]
+        seeds = [p.get("seed") for p in sampling_params]
+        if all(b == bases[0] for b in bases) and all(isinstance(s, int) for s in seeds):
+            return bases[0], np.asarray(seeds, dtype=np.int64), None
+    return None, None, list(sampling_params)
 
 
-__all__ = ["BatchGeneration"]
+__all__ = ["Generation", "split_seeds"]

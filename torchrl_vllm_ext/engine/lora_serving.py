@@ -1,11 +1,11 @@
 """The LoRA adapters a :class:`~torchrl_vllm_ext.VLLMService` serves on every replica.
 
-A mixin of the service: ``add_lora`` / ``remove_lora`` / ``list_loras`` over the
-service's :class:`~.adapters.AdapterRegistry`. A replica on the driver's node loads an
-adapter from its directory; a replica on another node gets the directory's files
-through Ray's object store (one copy per adapter version), unless the adapter's
-directory is shared by every node. A replica started later gets the live adapters
-before it takes traffic (``VLLMService._start_replica``).
+A client of the :class:`~torchrl_vllm_ext.engine.pool.ReplicaPool`: ``add`` / ``remove``
+over an :class:`~.adapters.AdapterRegistry`. A replica on the driver's node loads an
+adapter from its directory; a replica on another node gets the directory's files through
+Ray's object store (one copy per adapter version), unless the adapter's directory is
+shared by every node. A replica started later gets the live adapters before it takes
+traffic (a step the pool runs before marking it ready).
 """
 
 from __future__ import annotations
@@ -15,68 +15,79 @@ from pathlib import Path
 
 import ray
 
-from torchrl_vllm_ext.engine import cluster
-from torchrl_vllm_ext.engine.adapters import Adapter, read_files
+from torchrl_vllm_ext.engine.adapters import Adapter, AdapterRegistry, read_files
+from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView
 
 
 class LoraServing:
-    """``add_lora`` / ``remove_lora`` / ``list_loras`` of :class:`~torchrl_vllm_ext.VLLMService`."""
+    """Adapters on every replica of a pool.
 
-    def add_lora(self, name: str, path: str | Path, shared: bool = False) -> int:
-        """Load the PEFT LoRA adapter in ``path`` on every replica as ``name``; returns
-        vLLM's id for it. Re-adding a name loads the new files under a new id (requests
-        already running finish on the old one). Needs ``enable_lora=True`` at launch.
+    Args:
+        pool: the replicas.
+        adapters: the registry requests name adapters from.
 
-        Replicas on other nodes than this process get the files through Ray's object
-        store, unless ``shared`` says every node sees ``path`` (a shared file system).
+    Examples:
+        >>> from torchrl_vllm_ext.engine.config import ServiceConfig
+        >>> from torchrl_vllm_ext.testing import make_tiny_model
+        >>> pool = ReplicaPool(ServiceConfig(model=make_tiny_model()), "svc")
+        >>> lora = LoraServing(pool, AdapterRegistry())
+        >>> lora.live()
+        {}
+    """
+
+    def __init__(self, pool: ReplicaPool, adapters: AdapterRegistry):
+        self._pool = pool
+        self._adapters = adapters
+        # lora id -> its files in Ray's object store, for replicas on other nodes
+        self._shipped: dict[int, asyncio.Future] = {}
+        pool.before_traffic(self._load_live)
+
+    async def add(self, name: str, path: str | Path, shared: bool) -> int:
+        """Load the adapter on every ready replica as ``name``; vLLM's id for it.
+
+        A replica that dies meanwhile gets it when it restarts; if a replica refuses it,
+        no replica keeps it and ``name`` serves what it served before.
         """
-        return self.run(self._add_lora(name, path, shared))
-
-    async def _add_lora(self, name: str, path, shared: bool) -> int:
         adapter, previous = self._adapters.add(name, path, shared)
-        ready = [r for r in self._replicas.values() if r.state == "ready"]
-        outcomes = await asyncio.gather(
-            *(self._load_lora(r, adapter) for r in ready), return_exceptions=True
-        )
-        failed = [o for o in outcomes if isinstance(o, BaseException)]
-        if failed:  # no replica keeps it: the name serves what it served before
+        loads = await self._pool.call_each(lambda v: self._load(v, adapter), what="add_lora")
+        if loads.errors or (loads.dead and not loads.results):
             await self._unload(adapter)
             if previous is not None:
                 self._adapters.put(previous)
             else:
                 self._adapters.remove(name)
-            raise cluster.actor_cause(failed[0])
+            loads.check(f"add_lora({name!r})")
         if previous is not None:
             await self._unload(previous)
         return adapter.lora_id
 
-    async def _load_lora(self, rep, adapter: Adapter) -> str:
+    async def remove(self, name: str) -> None:
+        """Unload adapter ``name`` from every replica."""
+        await self._unload(self._adapters.remove(name))
+
+    def live(self) -> dict[str, int]:
+        """Live adapters: name -> vLLM id."""
+        return {a.name: a.lora_id for a in self._adapters.live()}
+
+    async def _load_live(self, replica: ReplicaView) -> None:
+        for adapter in self._adapters.live():
+            await self._load(replica, adapter)
+
+    async def _load(self, replica: ReplicaView, adapter: Adapter) -> str:
         """``add_lora`` on one replica, with the files when its node cannot read the path."""
-        if adapter.shared or rep.node in (None, self._driver_ip):
-            return await rep.actor.add_lora.remote(adapter)
+        if adapter.shared or replica.node == self._pool.driver_ip:
+            return await replica.handle.add_lora.remote(adapter)
         if adapter.lora_id not in self._shipped:  # one read, one object per version
             self._shipped[adapter.lora_id] = asyncio.ensure_future(self._ship(adapter))
-        return await rep.actor.add_lora.remote(adapter, await self._shipped[adapter.lora_id])
+        return await replica.handle.add_lora.remote(adapter, await self._shipped[adapter.lora_id])
 
     @staticmethod
     async def _ship(adapter: Adapter) -> ray.ObjectRef:
         return ray.put(await asyncio.to_thread(read_files, adapter))
 
-    def remove_lora(self, name: str) -> None:
-        """Unload adapter ``name`` from every replica."""
-        self.run(self.aremove_lora(name))
-
-    async def aremove_lora(self, name: str) -> None:
-        """Async :meth:`remove_lora` (on the service's loop)."""
-        await self._unload(self._adapters.remove(name))
-
-    async def _unload(self, adapter) -> None:
+    async def _unload(self, adapter: Adapter) -> None:
         self._shipped.pop(adapter.lora_id, None)
-        ready = [r for r in self._replicas.values() if r.state == "ready"]
-        await asyncio.gather(
-            *(r.actor.remove_lora.remote(adapter.lora_id) for r in ready), return_exceptions=True
-        )
+        await self._pool.call_all("remove_lora", adapter.lora_id)
 
-    def list_loras(self) -> dict[str, int]:
-        """Live adapters: name -> vLLM id."""
-        return {a.name: a.lora_id for a in self._adapters.live()}
+
+__all__ = ["LoraServing"]

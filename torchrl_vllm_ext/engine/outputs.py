@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from torchrl_vllm_ext._compat import vllm_output_types
-from torchrl_vllm_ext.messages import RequestBatch, RequestData
+from torchrl_vllm_ext.batches import RequestBatch
+from torchrl_vllm_ext.messages import RequestData
 
 
 def _chosen_logprobs(flat, length: int) -> np.ndarray:

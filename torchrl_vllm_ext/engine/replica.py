@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchrl_vllm_ext._compat import (
@@ -26,10 +26,11 @@ from torchrl_vllm_ext._compat import (
     vllm_validation_errors,
 )
 from torchrl_vllm_ext._files import private_dir
+from torchrl_vllm_ext.batches import PromptBatch, RequestBatch
 from torchrl_vllm_ext.engine.adapters import Adapter, stage_files
 from torchrl_vllm_ext.engine.base import Engine, check_pause_mode, engine_class
 from torchrl_vllm_ext.engine.outputs import pack_outputs
-from torchrl_vllm_ext.engine.validation import make_sampling_params
+from torchrl_vllm_ext.engine.validation import make_sampling_params, with_seed
 from torchrl_vllm_ext.errors import (
     GenerationTimeoutError,
     InvalidRequestError,
@@ -37,7 +38,7 @@ from torchrl_vllm_ext.errors import (
     ReplicaStartupError,
     WeightSyncError,
 )
-from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats, RequestBatch
+from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats
 
 logger = logging.getLogger(__name__)
 
@@ -79,53 +80,62 @@ def _redirect_output(path: str) -> None:
     os.close(fd)
 
 
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """Everything a replica actor is built from (plain data: it crosses to the actor)."""
+
+    replica_id: int
+    """Stable id of the replica within its service."""
+    model: str
+    """Local model path."""
+    engine_kwargs: dict
+    """Keyword arguments of vLLM's ``AsyncEngineArgs``."""
+    weight_version: str = "0"
+    """Version label the engine starts with."""
+    env: dict[str, str | None] = field(default_factory=dict)
+    """Environment of the engine's processes (None: unset), which inherit the actor's; see
+    :func:`torchrl_vllm_ext.engine.cluster.process_env`."""
+    in_process: bool = False
+    """Run vLLM's ``LLMEngine`` in the actor instead of ``AsyncLLM`` and its engine-core
+    process (see :mod:`torchrl_vllm_ext.engine.base`)."""
+    actor_extension: str | None = None
+    """Dotted path of a class instantiated in the actor, whose public methods
+    :meth:`VLLMReplica.extension_call` runs (see :mod:`torchrl_vllm_ext.protocol`)."""
+    log_file: str | None = None
+    """Append the actor's output (and its children's) to this file."""
+
+
 class VLLMReplica:
-    """Ray actor body: one vLLM engine (the service wraps it with ``ray.remote``).
+    """Ray actor body: one vLLM engine (the pool wraps it with ``ray.remote``).
 
     Args:
-        replica_id: stable id of the replica within its service.
-        model: local model path.
-        engine_kwargs: keyword arguments of vLLM's ``AsyncEngineArgs``.
-        weight_version: version label the engine starts with.
-        env: environment of the engine's processes (None: unset), which inherit this
-            actor's; see :func:`torchrl_vllm_ext.engine.cluster.process_env`.
-        in_process: run vLLM's ``LLMEngine`` in this actor instead of ``AsyncLLM`` and
-            its engine-core process (see :mod:`torchrl_vllm_ext.engine.base`).
-        actor_extension: dotted path of a class instantiated in this actor, whose public
-            methods :meth:`extension_call` runs (see :mod:`torchrl_vllm_ext.protocol`).
-        log_file: append this process's output (and its children's) to this file.
+        spec: what to build (:class:`ReplicaSpec`).
     """
 
-    def __init__(
-        self,
-        replica_id: int,
-        model: str,
-        engine_kwargs: dict,
-        weight_version: str,
-        env: dict[str, str | None] | None = None,
-        in_process: bool = False,
-        actor_extension: str | None = None,
-        log_file: str | None = None,
-    ):
-        if log_file is not None:
-            _redirect_output(log_file)
-        for key, value in (env or {}).items():
+    def __init__(self, spec: ReplicaSpec):
+        if spec.log_file is not None:
+            _redirect_output(spec.log_file)
+        for key, value in spec.env.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        self.replica_id = replica_id
-        self._model = model
-        self._engine_kwargs = dict(engine_kwargs)
-        self._version = weight_version
+        self.replica_id = spec.replica_id
+        self._model = spec.model
+        self._engine_kwargs = dict(spec.engine_kwargs)
+        self._version = spec.weight_version
+        # Bumped whenever the weights change (a load, a reset): prefix-cache entries are
+        # salted with it, so none computed with older weights serves a later request,
+        # while a new label alone (an adapter push) keeps the base model's cache.
+        self._cache_epoch = 0
         self._outstanding = 0
         self._paused = False
         # In-flight request ids, and for those a keep-mode sync spanned: the tokens each
         # sample had when the newest weights came in (see pack_outputs).
         self._inflight: set[str] = set()
         self._end_version_from: dict[tuple[str, int], int] = {}
-        self._engine_class = engine_class(in_process)
-        self._extension = _load_class(actor_extension)() if actor_extension else None
+        self._engine_class = engine_class(spec.in_process)
+        self._extension = _load_class(spec.actor_extension)() if spec.actor_extension else None
         self._shipped: Path | None = None  # adapters shipped to this node (stage_files)
         self.engine: Engine | None = None
 
@@ -176,13 +186,13 @@ class VLLMReplica:
     # ------------------------------------------------------------------ generation
     async def generate(
         self,
-        prompts: Sequence[Sequence[int]],
+        requests: PromptBatch,
         sampling_params,
-        request_ids: Sequence[str],
         timeout: float | None = None,
         adapter: Adapter | None = None,
     ) -> RequestBatch:
-        """Generate a batch; ``sampling_params`` is one ``SamplingParams`` or one per prompt.
+        """Generate a batch; ``sampling_params`` is one ``SamplingParams`` (with the batch's
+        per-prompt seeds, if any) or one per prompt.
 
         ``adapter``: the LoRA adapter (already added) every request of the batch uses.
 
@@ -190,20 +200,21 @@ class VLLMReplica:
         :class:`GenerationTimeoutError` is raised.
         """
         engine = self._require_engine()
-        params = (
-            list(sampling_params)
-            if isinstance(sampling_params, list | tuple)
-            else [sampling_params] * len(prompts)
-        )
+        prompts = requests.prompts()
+        request_ids = requests.request_ids()
+        if isinstance(sampling_params, list | tuple):
+            params = list(sampling_params)
+        elif requests.seeds is not None:
+            params = [with_seed(sampling_params, s) for s in requests.seeds.tolist()]
+        else:
+            params = [sampling_params] * len(prompts)
         version_start = self._version
         self._outstanding += len(prompts)
         self._inflight.update(request_ids)
-        # Salting the prefix cache with the weight version means cache entries computed
-        # with older weights can never serve a request made after a sync.
-        salt = f"w{self._version}"
-        inputs = [{"prompt_token_ids": list(map(int, p)), "cache_salt": salt} for p in prompts]
+        salt = f"e{self._cache_epoch}"
+        inputs = [{"prompt_token_ids": p.tolist(), "cache_salt": salt} for p in prompts]
         lora = lora_request(adapter.name, adapter.lora_id, adapter.path) if adapter else None
-        task = asyncio.create_task(engine.generate(inputs, params, list(request_ids), lora))
+        task = asyncio.create_task(engine.generate(inputs, params, request_ids, lora))
         try:
             done = await asyncio.wait_for(task, timeout)
         except TimeoutError:
@@ -321,6 +332,8 @@ class VLLMReplica:
         self._version = str(version)
 
     async def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache: call it after the weights changed."""
+        self._cache_epoch += 1
         return await self._require_engine().reset_prefix_cache()
 
     # ------------------------------------------------------------------ extensions
@@ -372,7 +385,6 @@ class VLLMReplica:
         failed update leaves the previous weights serving.
         """
         engine = self._require_engine()
-        check_pause_mode(pause_mode)
         t0 = time.perf_counter()
         await self.pause(pause_mode, clear_cache=pause_mode != "keep")  # 1) pause
         t1 = time.perf_counter()
@@ -388,7 +400,7 @@ class VLLMReplica:
                 progress = await engine.tokens_so_far(list(self._inflight))
                 self._end_version_from.update(progress)
             await self.set_weight_version(version)  # 4) version + cache
-            await engine.reset_prefix_cache()
+            await self.reset_prefix_cache()
         finally:
             await self.resume()  # 5) resume
         t3 = time.perf_counter()

@@ -117,6 +117,13 @@ def make_sampling_params(params: Any, *, want_logprobs: bool = True):
     return sp
 
 
+def with_seed(params, seed: int):
+    """A copy of vLLM ``SamplingParams`` ``params`` with its own ``seed``."""
+    sp = params.clone()
+    sp.seed = int(seed)
+    return sp
+
+
 def _sampling_fix(params: Mapping[str, Any]) -> str:
     """How to fix a rejected sampling dict: the likely intended field, else the valid range."""
     import difflib

@@ -21,7 +21,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+from torchrl_vllm_ext.weight_sync.collective import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +50,6 @@ class NodeSpec:
     ip: str
     num_cpus: float
     resources: dict[str, float] = field(default_factory=dict)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _session(pid: int) -> int | None:
@@ -84,7 +79,7 @@ class LoopbackCluster:
         self.head = NodeSpec(HEAD_IP, head_cpus, dict(head_resources or {}))
         self.workers = list(workers)
         self.fast_death = fast_death
-        self.port = _free_port()
+        self.port = free_port("127.0.0.1")
         # Short: Ray's Unix sockets live below it (and it keeps /tmp/ray/session_latest
         # of any other cluster on the machine untouched).
         self.temp_dir = tempfile.mkdtemp(prefix="trv-", dir="/tmp")
@@ -108,7 +103,8 @@ class LoopbackCluster:
             # Ray's fixed default ports (metrics, client server, dashboard) may be taken
             # by another cluster on the machine: every node gets free ones.
             head_env.update(
-                AUTOSCALER_METRIC_PORT=str(_free_port()), DASHBOARD_METRIC_PORT=str(_free_port())
+                AUTOSCALER_METRIC_PORT=str(free_port("127.0.0.1")),
+                DASHBOARD_METRIC_PORT=str(free_port("127.0.0.1")),
             )
             self._start_node(
                 self.head,
@@ -120,9 +116,9 @@ class LoopbackCluster:
                     "--temp-dir",
                     self.temp_dir,
                     "--ray-client-server-port",
-                    str(_free_port()),
+                    str(free_port("127.0.0.1")),
                     "--dashboard-port",
-                    str(_free_port()),
+                    str(free_port("127.0.0.1")),
                 ],
                 head_env,
             )
@@ -158,7 +154,7 @@ class LoopbackCluster:
             "--max-worker-port",
             "0",
             "--dashboard-agent-listen-port",
-            str(_free_port()),
+            str(free_port("127.0.0.1")),
         ]
         proc = subprocess.Popen(
             cmd,

@@ -64,6 +64,8 @@ def listen(host: str, port: int = 0) -> socket.socket:
 
 
 def free_port(host: str) -> int:
+    """A port on ``host`` that was free a moment ago (for tools and tests: the trainer's
+    rendezvous binds its listener first, see :func:`listen`)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

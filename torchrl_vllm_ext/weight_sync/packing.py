@@ -7,13 +7,10 @@ RPC per tensor. The receiving end is the worker extension (:mod:`.worker`).
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
-
 import torch
 
-from torchrl_vllm_ext.messages import BucketSpec, TensorSpec, UpdateHeader
 from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name, torch_dtype
+from torchrl_vllm_ext.weight_sync.specs import BucketSpec, TensorSpec, UpdateHeader
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -54,27 +51,6 @@ def pack(
         )
         buffers.append(buf)
     return UpdateHeader(version=str(version), buckets=tuple(specs)), buffers
-
-
-def header_to_json(h: UpdateHeader) -> str:
-    return json.dumps(asdict(h))
-
-
-def header_from_json(text: str) -> UpdateHeader:
-    raw = json.loads(text)
-    buckets = tuple(
-        BucketSpec(
-            dtype=b["dtype"],
-            tensors=tuple(
-                TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), int(t["checksum"]))
-                for t in b["tensors"]
-            ),
-            nbytes=int(b["nbytes"]),
-            checksum=int(b["checksum"]),
-        )
-        for b in raw["buckets"]
-    )
-    return UpdateHeader(version=str(raw["version"]), buckets=buckets)
 
 
 def unpack(bucket: BucketSpec, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.messages import TensorSpec
+from torchrl_vllm_ext.weight_sync.specs import TensorSpec
 
 _DTYPES = {
     "float32": torch.float32,

@@ -21,23 +21,20 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 import torch
 
-from torchrl_vllm_ext._compat import PAUSE_MODES
+from torchrl_vllm_ext.engine.base import check_pause_mode
+from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaView
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.packing import DEFAULT_BUCKET_BYTES
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
 from torchrl_vllm_ext.weight_sync.transports import make_transport
-from torchrl_vllm_ext.weight_sync.transports.base import (
-    Outcomes,
-    Replicas,
-    fan_out,
-    first_error,
-)
+from torchrl_vllm_ext.weight_sync.transports.base import Replicas
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +78,7 @@ def choose_transport(service, requested: str, shared_dir) -> tuple[str, str]:
     if shared_dir is not None:
         return "storage", f"a shared directory was given ({shared_dir})"
     here = ray.util.get_node_ip_address()
-    hosts = {service.replica_info(r).node_ip for r in service.replica_ids}
+    hosts = {r.node for r in service.pool.ready()}
     if hosts <= {here}:
         return "storage", f"the trainer and every replica share host {here}"
     return (
@@ -101,7 +98,8 @@ class WeightSyncScheme:
             on a multi-host cluster, a directory every host shares.
         bucket_bytes: broadcast bucket size.
         pause_mode: how replicas pause during the load: ``abort``, ``wait`` or ``keep``.
-        timeout_s: collective timeout of the broadcast group.
+        timeout: seconds, the broadcast group's collective timeout (``timeout_s``, the
+            old name, still works and warns).
         rollout: ``"parallel"`` loads every replica at once (shortest push);
             ``"rolling"`` (storage only) loads one replica at a time, so the others keep
             serving and each pause is shorter on machines the replicas share.
@@ -120,17 +118,28 @@ class WeightSyncScheme:
         storage_dir: str | Path | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         pause_mode: str = "abort",
-        timeout_s: float = 300.0,
+        timeout: float = 300.0,
         rollout: str = "parallel",
+        timeout_s: float | None = None,
     ):
+        if timeout_s is not None:  # one rule: a duration argument is `timeout`, in seconds
+            warnings.warn(
+                "WeightSyncScheme(timeout_s=...) is deprecated; pass timeout= (seconds).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            timeout = timeout_s
         if rollout not in ROLLOUTS:
             raise ConfigurationError(f"rollout={rollout!r} is not one of {ROLLOUTS}.")
-        if pause_mode not in PAUSE_MODES:
-            raise ConfigurationError(f"pause_mode={pause_mode!r} is not one of {PAUSE_MODES}.")
+        check_pause_mode(pause_mode)
         self.service = service
         name, self.reason = choose_transport(service, transport, storage_dir)
         self.transport_impl = make_transport(
-            name, service, storage_dir=storage_dir, bucket_bytes=bucket_bytes, timeout_s=timeout_s
+            name,
+            service.pool,
+            storage_dir=storage_dir,
+            bucket_bytes=bucket_bytes,
+            timeout_s=timeout,
         )
         if rollout == "rolling" and not self.transport_impl.loads_one_at_a_time:
             raise ConfigurationError(
@@ -196,7 +205,7 @@ class WeightSyncScheme:
         )
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         phases = {"validate": time.perf_counter() - start}
-        replicas = self._replicas()
+        replicas = list(self.service.pool.ready())
         call = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
         if not replicas:
             await transport.rollback(version)
@@ -221,20 +230,19 @@ class WeightSyncScheme:
             version, transport.name, nbytes, time.perf_counter() - start, pauses, phases
         )
 
-    def _replicas(self) -> Replicas:
-        return [(rid, self.service.replica_handle(rid)) for rid in self.service.replica_ids]
-
     async def _apply(self, replicas: Replicas, call, version: str) -> Outcomes:
-        def load(handle):
-            return handle.update_weights.remote(call.method, call.args, version, self.pause_mode)
+        async def load(group: Replicas) -> Outcomes:
+            return await self.service.pool.call_all(
+                "update_weights", call.method, call.args, version, self.pause_mode, replicas=group
+            )
 
         if self.rollout == "parallel":
-            return await fan_out(replicas, load, "load")
+            return await load(replicas)
         out = Outcomes()  # rolling: one replica at a time, the others keep serving
         for one in replicas:
-            step = await fan_out([one], load, "load")
+            step = await load([one])
             out.results.update(step.results)
-            out.dead += step.dead
+            out.dead.update(step.dead)
             out.errors.update(step.errors)
             if step.errors:
                 break
@@ -247,7 +255,7 @@ class WeightSyncScheme:
                 f"every replica died while loading version {version}; nothing serves it. "
                 "The service restarts them at the previous version; push again."
             )
-        rid, _, cause = first_error(loads)
+        rid, cause = next(iter(loads.errors.items()))
         serving = (
             f"replicas {loaded} loaded it and serve it; the others keep their previous weights"
             if loaded
@@ -258,7 +266,7 @@ class WeightSyncScheme:
         )
 
     # ------------------------------------------------------------------ restarts
-    async def bring_up(self, handle, replica_id: int) -> None:
+    async def bring_up(self, replica: ReplicaView) -> None:
         """The service's weights provider: load the current version into a restarted replica.
 
         Under the push lock: a push in flight (perhaps the one this replica died in)
@@ -267,10 +275,13 @@ class WeightSyncScheme:
         async with self._lock:
             if self.version is None or self.service.weights_provider is not self:
                 return
-            await self.transport_impl.bring_up(handle, self.version)
-            await handle.set_weight_version.remote(self.version)
+            await self.transport_impl.bring_up(replica, self.version)
+            await replica.handle.set_weight_version.remote(self.version)
+            await replica.handle.reset_prefix_cache.remote()  # the weights changed
             logger.info(
-                "restarted replica %d brought to weight version %s", replica_id, self.version
+                "restarted replica %d brought to weight version %s",
+                replica.replica_id,
+                self.version,
             )
 
     def close(self) -> None:

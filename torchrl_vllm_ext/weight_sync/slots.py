@@ -9,11 +9,9 @@ version. Directories are 0700 and files 0600: the weights are the user's.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -21,8 +19,8 @@ from tensordict import TensorDict
 
 from torchrl_vllm_ext._files import fsync_path, private_dir, write_text_atomic
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.messages import SlotManifest, TensorSpec
 from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name
+from torchrl_vllm_ext.weight_sync.specs import SlotManifest, TensorSpec, from_json, to_json
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +40,6 @@ _fsync_dir = fsync_path
 def _private(path: Path) -> None:
     for p in [path, *path.rglob("*")]:
         os.chmod(p, 0o700 if p.is_dir() else 0o600)
-
-
-def manifest_to_json(m: SlotManifest) -> str:
-    return json.dumps(asdict(m))
-
-
-def manifest_from_json(text: str) -> SlotManifest:
-    raw = json.loads(text)
-    tensors = tuple(
-        TensorSpec(t["name"], t["dtype"], tuple(t["shape"]), int(t["checksum"]))
-        for t in raw["tensors"]
-    )
-    return SlotManifest(version=str(raw["version"]), slot=raw["slot"], tensors=tensors)
 
 
 class SlotWriter:
@@ -78,7 +63,7 @@ class SlotWriter:
 
     def _published_slot(self) -> str | None:
         try:
-            return manifest_from_json((self.root / CURRENT).read_text()).slot
+            return from_json((self.root / CURRENT).read_text(), SlotManifest).slot
         except FileNotFoundError:
             return None
 
@@ -145,7 +130,7 @@ class SlotWriter:
         Also rolls a failed push back: re-publishing the previous manifest is safe
         because a write only ever fills the other slot.
         """
-        write_text_atomic(self.root / CURRENT, manifest_to_json(manifest), fsync_dir=_fsync_dir)
+        write_text_atomic(self.root / CURRENT, to_json(manifest), fsync_dir=_fsync_dir)
         logger.debug(
             "published version %s in slot %s of %s", manifest.version, manifest.slot, self.root
         )
@@ -221,7 +206,7 @@ def read_published(root: str | Path) -> tuple[SlotManifest, Path]:
             f"no published weights in {root} (no {CURRENT}); push weights first."
         ) from None
     try:
-        manifest = manifest_from_json(text)
+        manifest = from_json(text, SlotManifest)
     except (ValueError, KeyError, TypeError) as e:
         raise WeightSyncError(
             f"{root / CURRENT} is not a valid manifest ({e}); re-push the weights."

@@ -17,12 +17,12 @@ import torch
 
 from torchrl_vllm_ext._compat import worker_reload_weights
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.messages import UpdateHeader
 from torchrl_vllm_ext.weight_sync import cpu_layout
 from torchrl_vllm_ext.weight_sync.collective import make_process_group
-from torchrl_vllm_ext.weight_sync.packing import header_from_json, unpack
+from torchrl_vllm_ext.weight_sync.packing import unpack
 from torchrl_vllm_ext.weight_sync.params import checksum
 from torchrl_vllm_ext.weight_sync.slots import SlotReader
+from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +119,13 @@ class WeightSyncWorkerExtension:
 
     def receive_weight_broadcast(self, header_json: str) -> str:
         """Receive every bucket of one update, verify all, then load; returns the version."""
-        header = header_from_json(header_json)
+        header = from_json(header_json, UpdateHeader)
         self._tvllm_load(self._tvllm_receive(header))
         return header.version
 
     def stage_weight_broadcast(self, header_json: str) -> bool:
         """Receive and verify one update in a background thread (before the pause)."""
-        header = header_from_json(header_json)
+        header = from_json(header_json, UpdateHeader)
         return self._tvllm_stage(header.version, lambda: self._tvllm_receive(header))
 
     def _tvllm_receive(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:

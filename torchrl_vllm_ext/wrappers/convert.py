@@ -23,39 +23,29 @@ GRPOLoss masks out), never 0.0; padding is 0.0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from tensordict import MetaData, NonTensorData, NonTensorStack, TensorDict
+from tensordict import MetaData, TensorDict
 
-from torchrl_vllm_ext.messages import RequestBatch
+from torchrl_vllm_ext.batches import RequestBatch
+from torchrl_vllm_ext.wrappers.layout import (
+    CACHED_TOKENS,
+    DEFAULT_KEYS,
+    END_FROM,
+    END_VERSION,
+    FINISH_REASON,
+    VERSION,
+    OutputKeys,
+    SharedStrings,
+    row_tc,
+    row_td,
+    split_rows,
+    strings,
+    tensorclasses,
+)
 from torchrl_vllm_ext.wrappers.padding import pad_flat, positions, starts_of
-
-_EMPTY = torch.Size([])
-
-
-@dataclass(frozen=True)
-class OutputKeys:
-    """Top-level keys of the output (TorchRL's wrapper defaults)."""
-
-    tokens: str = "tokens"
-    """``Tokens`` (prompt, response, full)."""
-    log_probs: str = "log_probs"
-    """``LogProbs`` (prompt, response, full)."""
-    masks: str = "masks"
-    """``Masks`` (all_attention_mask, all_assistant_mask)."""
-    text: str = "text"
-    """``Text`` (prompt, response, full), text and history modes."""
-    history: str = "history"
-    """``ChatHistory`` (prompt, response, full), history mode."""
-    extra: str = "vllm"
-    """Our additive sub-TensorDict: ``weight_version``, ``weight_version_end``,
-    ``weight_version_end_from``, ``cached_tokens``, ``finish_reason``."""
-
-
-DEFAULT_KEYS = OutputKeys()
 
 
 @dataclass
@@ -117,55 +107,21 @@ def _writable(a: np.ndarray) -> np.ndarray:
     return a if a.flags.writeable else a.copy()
 
 
-def _split(values: np.ndarray, lengths: np.ndarray) -> tuple[torch.Tensor, ...]:
-    return torch.from_numpy(values).split(lengths.tolist())
-
-
 def first_token_zero(lp: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Set the score of each sequence's first token (vLLM's NaN) to TorchRL's 0.0, in place."""
     lp[starts_of(lengths)[lengths > 0]] = 0.0
     return lp
 
 
-# ---------------------------------------------------------------------------- row wrappers
-def _td(source: dict) -> TensorDict:
-    # NOTE: built with the unchecked constructor: the values are fresh 1-D views we made
-    # ourselves, and the checked one costs ~10x more per sample on the hot path.
-    return TensorDict._new_unsafe(source=source, batch_size=_EMPTY)
-
-
-def _tc(cls, source: dict):
-    return cls._from_tensordict(_td(source))
-
-
-class _Strings:
-    """One ``NonTensorData`` per distinct string, shared by the rows that carry it."""
-
-    def __init__(self):
-        self._cache: dict = {}
-
-    def __call__(self, value):
-        out = self._cache.get(value)
-        if out is None:
-            out = self._cache[value] = NonTensorData(value)
-        return out
-
-
-def _tensorclasses():
-    from torchrl.modules.llm.policies import ChatHistory, LogProbs, Masks, Text, Tokens
-
-    return Tokens, LogProbs, Masks, Text, ChatHistory
-
-
 # ---------------------------------------------------------------------------- generation
 def generated_rows(
-    batch: RequestBatch, keys: OutputKeys = OutputKeys(), with_prompt_logprobs: bool = True
+    batch: RequestBatch, keys: OutputKeys = DEFAULT_KEYS, with_prompt_logprobs: bool = True
 ) -> list[TensorDict]:
     """One 0-dim TensorDict per sample in TorchRL's unpadded layout (``pad_output=False``).
 
     ``with_prompt_logprobs=False`` ignores prompt scores even when present.
     """
-    Tokens, LogProbs, Masks, _, _ = _tensorclasses()
+    Tokens, LogProbs, Masks, _, _ = tensorclasses()
     s = samples_of(batch, with_prompt_logprobs)
     P, R = s.prompt_lengths, s.response_lengths
     L = P + R
@@ -185,16 +141,20 @@ def generated_rows(
         prompt_lp = first_token_zero(s.prompt_logprobs.copy(), P)
         full_lp[p_pos] = prompt_lp
 
-    prompts_t, resps_t, full_t = _split(s.prompts, P), _split(s.responses, R), _split(full, L)
+    prompts_t, resps_t, full_t = (
+        split_rows(s.prompts, P),
+        split_rows(s.responses, R),
+        split_rows(full, L),
+    )
     attn_t = torch.ones(full.shape, dtype=torch.bool).split(L.tolist())
-    asst_t = _split(assistant, L)
-    resp_lp_t, full_lp_t = _split(s.response_logprobs, R), _split(full_lp, L)
+    asst_t = split_rows(assistant, L)
+    resp_lp_t, full_lp_t = split_rows(s.response_logprobs, R), split_rows(full_lp, L)
     fresh_from_t = torch.from_numpy(s.end_version_from).unbind(0)
     cached_t = torch.from_numpy(s.cached_tokens).unbind(0)
     # Unscored prompts get NaN ("no score") like full's prompt slice: TorchRL's keys.
-    prompt_lp_t = _split(full_lp[p_pos], P)
+    prompt_lp_t = split_rows(full_lp[p_pos], P)
     unpadded = MetaData(False)
-    extras = _Strings()
+    extras = SharedStrings()
     rows = []
     for i in range(len(P)):
         lp = {
@@ -204,9 +164,9 @@ def generated_rows(
             "padded": unpadded,
         }
         rows.append(
-            _td(
+            row_td(
                 {
-                    keys.tokens: _tc(
+                    keys.tokens: row_tc(
                         Tokens,
                         {
                             "prompt": prompts_t[i],
@@ -215,8 +175,8 @@ def generated_rows(
                             "padded": unpadded,
                         },
                     ),
-                    keys.log_probs: _tc(LogProbs, lp),
-                    keys.masks: _tc(
+                    keys.log_probs: row_tc(LogProbs, lp),
+                    keys.masks: row_tc(
                         Masks,
                         {
                             "all_attention_mask": attn_t[i],
@@ -224,13 +184,13 @@ def generated_rows(
                             "padded": unpadded,
                         },
                     ),
-                    keys.extra: _td(
+                    keys.extra: row_td(
                         {
-                            "weight_version": extras(s.weight_versions[i]),
-                            "weight_version_end": extras(s.weight_versions_end[i]),
-                            "weight_version_end_from": fresh_from_t[i],
-                            "cached_tokens": cached_t[i],
-                            "finish_reason": extras(s.finish_reasons[i]),
+                            VERSION: extras(s.weight_versions[i]),
+                            END_VERSION: extras(s.weight_versions_end[i]),
+                            END_FROM: fresh_from_t[i],
+                            CACHED_TOKENS: cached_t[i],
+                            FINISH_REASON: extras(s.finish_reasons[i]),
                         }
                     ),
                 }
@@ -239,26 +199,14 @@ def generated_rows(
     return rows
 
 
-def strings(values: Sequence[str | None]) -> NonTensorData | NonTensorStack:
-    """``values`` as non-tensor data of batch ``(len(values),)``; read with ``.tolist()``.
-
-    One shared ``NonTensorData`` when all values are equal (the usual case for versions
-    and finish reasons: a stack costs ~50 us per element).
-    """
-    first = values[0] if len(values) else None
-    if all(v == first for v in values):
-        return NonTensorData(first, batch_size=torch.Size([len(values)]))
-    return NonTensorStack.from_list(list(values))
-
-
 def generated_padded(
     batch: RequestBatch,
     pad_token_id: int,
-    keys: OutputKeys = OutputKeys(),
+    keys: OutputKeys = DEFAULT_KEYS,
     with_prompt_logprobs: bool = True,
 ) -> TensorDict:
     """A ``(N,)`` TensorDict of dense tensors in TorchRL's padded layout (``pad_output=True``)."""
-    Tokens, LogProbs, Masks, _, _ = _tensorclasses()
+    Tokens, LogProbs, Masks, _, _ = tensorclasses()
     s = samples_of(batch, with_prompt_logprobs)
     P, R = s.prompt_lengths, s.response_lengths
     n = len(P)
@@ -297,11 +245,11 @@ def generated_padded(
             ),
             keys.extra: TensorDict._new_unsafe(
                 source={
-                    "weight_version": strings(s.weight_versions),
-                    "weight_version_end": strings(s.weight_versions_end),
-                    "weight_version_end_from": torch.from_numpy(s.end_version_from),
-                    "cached_tokens": torch.from_numpy(s.cached_tokens),
-                    "finish_reason": strings(s.finish_reasons),
+                    VERSION: strings(s.weight_versions),
+                    END_VERSION: strings(s.weight_versions_end),
+                    END_FROM: torch.from_numpy(s.end_version_from),
+                    CACHED_TOKENS: torch.from_numpy(s.cached_tokens),
+                    FINISH_REASON: strings(s.finish_reasons),
                 },
                 batch_size=batch_size,
             ),

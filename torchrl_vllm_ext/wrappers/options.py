@@ -1,7 +1,9 @@
 """PolicyOptions: every option of :class:`~torchrl_vllm_ext.VLLMPolicy`, declared once.
 
-``VLLMPolicy(service, **options)`` builds one; every check runs here, at construction,
-so a policy that exists can run.
+``VLLMPolicy(service, **options)`` builds one with :meth:`PolicyOptions.from_kwargs`
+(which folds TorchRL's ``generate_kwargs`` in and fills derived defaults); the options
+are frozen, every check runs at construction, so a policy that exists can run, and the
+policy reads its options from here only.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.hf import pad_token_id as default_pad_id
-from torchrl_vllm_ext.wrappers.convert import OutputKeys
+from torchrl_vllm_ext.wrappers.layout import OutputKeys
 
 INPUT_MODES = ("tokens", "text", "history")
 SCORE_PARAMS = {"max_tokens": 1, "prompt_logprobs": 0, "detokenize": False}
@@ -28,13 +30,16 @@ HF_NAMES = {
 """Hugging Face ``generate`` names in ``generate_kwargs`` -> vLLM ``SamplingParams`` names."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class PolicyOptions:
-    """How a :class:`~torchrl_vllm_ext.VLLMPolicy` reads, generates and writes.
+    """How a :class:`~torchrl_vllm_ext.VLLMPolicy` reads, generates and writes (frozen).
 
     Examples:
         >>> PolicyOptions(num_samples=4, sampling_params={"max_tokens": 8}).engine_sampling()
         {'max_tokens': 8, 'n': 4, 'detokenize': False}
+        >>> opts = PolicyOptions.from_kwargs(generate_kwargs={"max_new_tokens": 8, "n": 2})
+        >>> opts.sampling_params, opts.num_samples
+        ({'max_tokens': 8}, 2)
     """
 
     input_mode: str = "tokens"
@@ -48,10 +53,6 @@ class PolicyOptions:
     sampling_params: Mapping[str, Any] | None = None
     """vLLM ``SamplingParams`` fields (``max_tokens``, ``temperature``, ...); a call can
     override them: ``policy(td, temperature=0)``."""
-    generate_kwargs: Mapping[str, Any] | None = None
-    """TorchRL's ``vLLMWrapper`` name for the same: Hugging Face names are translated
-    (``max_new_tokens``, ``num_return_sequences`` or ``n`` -> ``num_samples``,
-    ``do_sample=False`` -> greedy, ``stop_sequences``); other keys are vLLM fields."""
     input_key: NestedKey | None = None
     """Where the input is read (default ``(mode, "prompt")``, or ``(mode, "full")`` when
     scoring); a flat key such as ``"text"`` (strings), ``"history"`` (a ``History``) or
@@ -122,8 +123,6 @@ class PolicyOptions:
             raise ConfigurationError(
                 "sampling_params['n'] is set by num_samples; pass num_samples=G instead."
             )
-        if self.generate_kwargs:
-            self._take_generate_kwargs(dict(self.generate_kwargs))
         if self.inplace not in (None, True, False, "empty"):
             raise ConfigurationError(
                 f"inplace={self.inplace!r} must be True, False, 'empty' or None (TorchRL's values)."
@@ -138,13 +137,10 @@ class PolicyOptions:
                 "return_log_probs=False with generate=False: scoring returns log-probs and "
                 "nothing else; use return_log_probs=True (as TorchRL's wrappers require)."
             )
-        if self.pad_token_id is None:
-            self.pad_token_id = default_pad_id(self.tokenizer)
         if self.pad_output and self.pad_token_id is None:
             raise ConfigurationError(
                 "pad_output=True needs a pad id; pass pad_token_id= or a tokenizer."
             )
-        self.chat_template_kwargs = dict(self.chat_template_kwargs or {})
         if self.generate:  # bad sampling values fail here, not at the first call
             from torchrl_vllm_ext.engine.validation import make_sampling_params
             from torchrl_vllm_ext.errors import InvalidRequestError
@@ -154,42 +150,30 @@ class PolicyOptions:
             except InvalidRequestError as e:
                 raise ConfigurationError(str(e)) from e
 
-    def _take_generate_kwargs(self, kwargs: dict[str, Any]) -> None:
-        """Fold TorchRL's ``generate_kwargs`` into ``sampling_params`` / ``num_samples``."""
-        for hf_name, name in HF_NAMES.items():
-            if hf_name in kwargs:
-                if name in kwargs:
-                    raise ConfigurationError(
-                        f"generate_kwargs gives both {hf_name!r} and {name!r}; pass one."
-                    )
-                kwargs[name] = kwargs.pop(hf_name)
-        n = kwargs.pop("n", None)
-        if n is not None:
-            if self.num_samples not in (None, n):
-                raise ConfigurationError(
-                    f"generate_kwargs n={n!r} differs from num_samples={self.num_samples!r}."
+    @classmethod
+    def from_kwargs(cls, generate_kwargs: Mapping[str, Any] | None = None, **fields):
+        """Options from :class:`~torchrl_vllm_ext.VLLMPolicy`'s keywords.
+
+        ``generate_kwargs`` is TorchRL's ``vLLMWrapper`` name for ``sampling_params``:
+        Hugging Face names are translated (``max_new_tokens``, ``num_return_sequences``
+        or ``n`` -> ``num_samples``, ``do_sample=False`` -> greedy, ``stop_sequences``);
+        other keys are vLLM fields. ``pad_token_id`` defaults to the tokenizer's.
+        """
+        if generate_kwargs:
+            fields.update(
+                fold_generate_kwargs(
+                    dict(generate_kwargs), fields.get("sampling_params"), fields.get("num_samples")
                 )
-            if not isinstance(n, int) or n < 1:
-                raise ConfigurationError(f"generate_kwargs n={n!r} must be an int >= 1.")
-            self.num_samples = n
-        if kwargs.pop("do_sample", True) is False:
-            if kwargs.get("temperature", 0.0) != 0.0:
-                raise ConfigurationError(
-                    f"do_sample=False is greedy decoding but temperature={kwargs['temperature']!r}; "
-                    "drop one of them."
-                )
-            kwargs["temperature"] = 0.0
-        both = sorted(set(kwargs) & set(self.sampling_params or {}))
-        if both:
-            raise ConfigurationError(
-                f"{both} given in both sampling_params and generate_kwargs; pass each once."
             )
-        self.sampling_params = {**(self.sampling_params or {}), **kwargs}
-        self.generate_kwargs = None  # folded in: a copy of these options must not redo it
+        if fields.get("pad_token_id") is None:
+            fields["pad_token_id"] = default_pad_id(fields.get("tokenizer"))
+        fields["chat_template_kwargs"] = dict(fields.get("chat_template_kwargs") or {})
+        return cls(**fields)
 
     def replace(self, **changes) -> PolicyOptions:
-        """A copy with ``changes`` (checked again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with ``changes`` (``generate_kwargs`` too), checked again."""
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return PolicyOptions.from_kwargs(**{**current, **changes})
 
     @property
     def keys(self) -> OutputKeys:
@@ -234,4 +218,49 @@ class PolicyOptions:
         return sampling
 
 
-__all__ = ["INPUT_MODES", "SCORE_PARAMS", "PolicyOptions"]
+def fold_generate_kwargs(
+    kwargs: dict[str, Any], sampling_params: Any, num_samples: int | None
+) -> dict[str, Any]:
+    """TorchRL's ``generate_kwargs`` as ``sampling_params`` and ``num_samples`` fields.
+
+    Examples:
+        >>> fold_generate_kwargs({"max_new_tokens": 4, "do_sample": False}, None, None)
+        {'sampling_params': {'max_tokens': 4, 'temperature': 0.0}, 'num_samples': None}
+    """
+    for hf_name, name in HF_NAMES.items():
+        if hf_name in kwargs:
+            if name in kwargs:
+                raise ConfigurationError(
+                    f"generate_kwargs gives both {hf_name!r} and {name!r}; pass one."
+                )
+            kwargs[name] = kwargs.pop(hf_name)
+    n = kwargs.pop("n", None)
+    if n is not None:
+        if num_samples not in (None, n):
+            raise ConfigurationError(
+                f"generate_kwargs n={n!r} differs from num_samples={num_samples!r}."
+            )
+        if not isinstance(n, int) or n < 1:
+            raise ConfigurationError(f"generate_kwargs n={n!r} must be an int >= 1.")
+        num_samples = n
+    if kwargs.pop("do_sample", True) is False:
+        if kwargs.get("temperature", 0.0) != 0.0:
+            raise ConfigurationError(
+                f"do_sample=False is greedy decoding but temperature={kwargs['temperature']!r}; "
+                "drop one of them."
+            )
+        kwargs["temperature"] = 0.0
+    if not isinstance(sampling_params, Mapping | None):  # PolicyOptions names the fix
+        return {"num_samples": num_samples}
+    both = sorted(set(kwargs) & set(sampling_params or {}))
+    if both:
+        raise ConfigurationError(
+            f"{both} given in both sampling_params and generate_kwargs; pass each once."
+        )
+    return {"sampling_params": {**(sampling_params or {}), **kwargs}, "num_samples": num_samples}
+
+
+OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(PolicyOptions))
+"""The fields of :class:`PolicyOptions` (what ``VLLMPolicy`` takes, with ``generate_kwargs``)."""
+
+__all__ = ["INPUT_MODES", "OPTION_NAMES", "SCORE_PARAMS", "PolicyOptions", "fold_generate_kwargs"]

@@ -62,23 +62,11 @@ def left_pad(arrays: Sequence[np.ndarray], fill, dtype, width: int | None = None
     return pad_flat(cat(arrays, dtype), lengths_of(arrays), fill, left=True, width=width)
 
 
-def right_pad(arrays: Sequence[np.ndarray], fill, dtype, width: int | None = None) -> np.ndarray:
-    """Sequences as rows of a dense array, padded on the right (responses)."""
-    return pad_flat(cat(arrays, dtype), lengths_of(arrays), fill, left=False, width=width)
-
-
 def left_mask(lengths: np.ndarray, width: int | None = None) -> torch.Tensor:
     """Bool ``(n, width)``: True at the real tokens of left-padded rows."""
     lengths = torch.as_tensor(lengths)
     width = int(lengths.max()) if width is None else width
     return torch.arange(width) >= (width - lengths)[:, None]
-
-
-def right_mask(lengths: np.ndarray, width: int | None = None) -> torch.Tensor:
-    """Bool ``(n, width)``: True at the real tokens of right-padded rows."""
-    lengths = torch.as_tensor(lengths)
-    width = int(lengths.max()) if width is None else width
-    return torch.arange(width) < lengths[:, None]
 
 
 __all__ = [
@@ -88,7 +76,5 @@ __all__ = [
     "lengths_of",
     "pad_flat",
     "positions",
-    "right_mask",
-    "right_pad",
     "starts_of",
 ]

@@ -9,7 +9,6 @@ service's flat results in :mod:`.convert` (generation), :mod:`.scoring` and
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import weakref
 from collections.abc import Mapping
@@ -19,10 +18,11 @@ import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDictBase, set_list_to_stack
 from tensordict.nn import TensorDictModuleBase
 
+from torchrl_vllm_ext.batches import RequestBatch
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
-from torchrl_vllm_ext.messages import RequestBatch
 from torchrl_vllm_ext.wrappers import convert, inputs, scoring
-from torchrl_vllm_ext.wrappers.options import SCORE_PARAMS, PolicyOptions
+from torchrl_vllm_ext.wrappers.layout import row_td
+from torchrl_vllm_ext.wrappers.options import OPTION_NAMES, SCORE_PARAMS, PolicyOptions
 from torchrl_vllm_ext.wrappers.text import add_scored_text, add_text
 
 
@@ -98,20 +98,17 @@ class VLLMPolicy(TensorDictModuleBase):
 
     def __init__(self, service, options: PolicyOptions | None = None, **kwargs: Any):
         super().__init__()
-        names = {f.name for f in dataclasses.fields(PolicyOptions)}
+        names = OPTION_NAMES | {"generate_kwargs"}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ConfigurationError(
                 f"VLLMPolicy got unknown option(s) {unknown}; the options are {sorted(names)}."
             )
         if options is None:
-            self.options = PolicyOptions(**kwargs)
+            self.options = PolicyOptions.from_kwargs(**kwargs)
         else:
             self.options = options.replace(**kwargs) if kwargs else options
         self.service = service
-        # TorchRL's transforms and collectors read these as attributes of the policy.
-        for name in names - {"sampling_params", "input_key"}:  # both: set below
-            setattr(self, name, getattr(self.options, name))
         self._sampling = self.options.engine_sampling()
         self.layout = None if self.pad_output else torch.strided
         self.keys = self.options.keys
@@ -179,8 +176,12 @@ class VLLMPolicy(TensorDictModuleBase):
         ``sampling_overrides`` replace this call's sampling parameters (vLLM field names).
         """
         call = self._prepare(tensordict, sampling_overrides)
-        batch = self.service.generate_flat(
-            call.read.token_ids, call.params, timeout=self.timeout, lora=call.lora
+        batch = self.service.generate_request_batch(
+            call.read.token_ids,
+            call.params,
+            timeout=self.timeout,
+            lora=call.lora,
+            return_log_probs=self._engine_log_probs,
         )
         return self._finish(call, batch)
 
@@ -188,8 +189,12 @@ class VLLMPolicy(TensorDictModuleBase):
         """Awaitable :meth:`forward`: many calls can be in flight at once on the service."""
         with set_list_to_stack(True):
             call = self._prepare(tensordict, sampling_overrides)
-        batch = await self.service.agenerate_flat(
-            call.read.token_ids, call.params, timeout=self.timeout, lora=call.lora
+        batch = await self.service.agenerate_request_batch(
+            call.read.token_ids,
+            call.params,
+            timeout=self.timeout,
+            lora=call.lora,
+            return_log_probs=self._engine_log_probs,
         )
         with set_list_to_stack(True):
             return self._finish(call, batch)
@@ -221,6 +226,12 @@ class VLLMPolicy(TensorDictModuleBase):
         # An AdapterSync gives its newest version, fixed for this call.
         lora = self.lora if self.lora is None or isinstance(self.lora, str) else self.lora.current
         return _Call(td, read, self._params(td, overrides, len(read.token_ids)), lora)
+
+    @property
+    def _engine_log_probs(self) -> bool:
+        """Whether vLLM computes the sampled tokens' log-probs: only when they are returned
+        (scoring reads the prompt log-probs, never the one sampled token's)."""
+        return self.generate and self.return_log_probs
 
     def _vocab_max(self) -> int | None:
         if self._max_token_id is None:
@@ -320,7 +331,7 @@ def _merge(td: TensorDictBase, out, out_keys: list) -> TensorDictBase:
         merged = []
         for row, new in zip(inputs.rows_of(td), out, strict=True):
             keep = {k: v for k, v in row.items() if k not in out_keys}
-            merged.append(convert._td({**keep, **dict(new.items())}))
+            merged.append(row_td({**keep, **dict(new.items())}))
         return _shaped(merged, shape)
     out = out.reshape(shape) if shape else out[0]
     return td.exclude(*out_keys, inplace=True).update(out, keys_to_update=out_keys)
@@ -339,6 +350,19 @@ def _shaped(out, shape: torch.Size):
         *(_shaped(out[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])),
         stack_dim=0,
     )
+
+
+def _option(name: str) -> property:
+    return property(
+        lambda self: getattr(self.options, name),
+        doc=f"``PolicyOptions.{name}`` (read-only; TorchRL reads it as a policy attribute).",
+    )
+
+
+# TorchRL's transforms and collectors read the options as attributes of the policy: each
+# one delegates to the frozen options, the one place they live.
+for _name in sorted(OPTION_NAMES - {"sampling_params", "input_key"}):  # both: own meaning
+    setattr(VLLMPolicy, _name, _option(_name))
 
 
 __all__ = ["VLLMPolicy"]

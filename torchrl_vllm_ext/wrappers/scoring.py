@@ -15,16 +15,16 @@ import numpy as np
 import torch
 from tensordict import MetaData, TensorDict, TensorDictBase
 
-from torchrl_vllm_ext.messages import RequestBatch
+from torchrl_vllm_ext.batches import RequestBatch
 from torchrl_vllm_ext.wrappers import inputs
-from torchrl_vllm_ext.wrappers.convert import (
+from torchrl_vllm_ext.wrappers.convert import first_token_zero
+from torchrl_vllm_ext.wrappers.layout import (
     DEFAULT_KEYS,
     OutputKeys,
-    _split,
-    _tc,
-    _td,
-    _tensorclasses,
-    first_token_zero,
+    row_tc,
+    row_td,
+    split_rows,
+    tensorclasses,
 )
 from torchrl_vllm_ext.wrappers.padding import cat, left_mask, left_pad, lengths_of, positions
 
@@ -56,15 +56,15 @@ def scored_rows(
     ``.response`` and ``tokens.prompt`` / ``.response``; ``assistant`` is the input's
     assistant mask, passed through (else derived from the prompt lengths when known).
     """
-    Tokens, LogProbs, Masks, _, _ = _tensorclasses()
+    Tokens, LogProbs, Masks, _, _ = tensorclasses()
     lp, L = scored_logprobs(batch)
     full = cat(seqs, np.int64)
-    full_t, lp_t = _split(full, L), _split(lp, L)
+    full_t, lp_t = split_rows(full, L), split_rows(lp, L)
     attn_t = torch.ones(full.shape, dtype=torch.bool).split(L.tolist())
     split = None
     if prompt_lengths is not None:
         P = np.minimum(prompt_lengths, L)
-        split = (P, _split(positions(L) >= np.repeat(P, L), L))
+        split = (P, split_rows(positions(L) >= np.repeat(P, L), L))
     unpadded = MetaData(False)
     rows = []
     for i in range(len(L)):
@@ -79,11 +79,11 @@ def scored_rows(
         if assistant is not None:
             masks[_ASSISTANT] = assistant[i]
         rows.append(
-            _td(
+            row_td(
                 {
-                    keys.tokens: _tc(Tokens, tokens),
-                    keys.log_probs: _tc(LogProbs, log_probs),
-                    keys.masks: _tc(Masks, masks),
+                    keys.tokens: row_tc(Tokens, tokens),
+                    keys.log_probs: row_tc(LogProbs, log_probs),
+                    keys.masks: row_tc(Masks, masks),
                 }
             )
         )
@@ -103,7 +103,7 @@ def scored_padded(
     ``prompt_width`` (the width of the input's padded ``tokens.prompt``) splits every
     field at that column, the ``[lpad | prompt | response | rpad]`` layout.
     """
-    Tokens, LogProbs, Masks, _, _ = _tensorclasses()
+    Tokens, LogProbs, Masks, _, _ = tensorclasses()
     lp, _ = scored_logprobs(batch)
     full_lp = torch.zeros(tokens.shape, dtype=torch.float32)
     full_lp[mask] = torch.from_numpy(lp)

@@ -7,16 +7,10 @@ re-tokenisation here; a chat reply is that text without its EOS token.
 
 from __future__ import annotations
 
-from tensordict import NonTensorData, NonTensorStack, TensorDict, lazy_stack
+from tensordict import NonTensorData, TensorDict, lazy_stack
 
-from torchrl_vllm_ext.messages import RequestBatch
-from torchrl_vllm_ext.wrappers.convert import OutputKeys
-
-
-def texts(values: list[str]) -> NonTensorStack:
-    """One string per batch element; reads back as a list even for a batch of one
-    (a shared ``NonTensorData`` would read back as one ``str``)."""
-    return NonTensorStack.from_list(list(values))
+from torchrl_vllm_ext.batches import RequestBatch
+from torchrl_vllm_ext.wrappers.layout import OutputKeys, texts
 
 
 def add_text(

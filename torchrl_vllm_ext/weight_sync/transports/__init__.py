@@ -1,20 +1,20 @@
 """Weight-sync transports: how the bytes reach the replicas (see :mod:`.base`)."""
 
-from torchrl_vllm_ext.weight_sync.transports.base import Replicas, Transport, WorkerCall, fan_out
+from torchrl_vllm_ext.weight_sync.transports.base import Replicas, Transport, WorkerCall
 
-__all__ = ["Replicas", "Transport", "WorkerCall", "fan_out", "make_transport"]
+__all__ = ["Replicas", "Transport", "WorkerCall", "make_transport"]
 
 
-def make_transport(name: str, service, **options) -> Transport:
+def make_transport(name: str, fleet, **options) -> Transport:
     """The transport registered as ``name`` (``storage`` or ``broadcast``)."""
     if name == "storage":
         from torchrl_vllm_ext.weight_sync.transports.storage import StorageTransport
 
-        return StorageTransport(service, storage_dir=options.get("storage_dir"))
+        return StorageTransport(fleet, storage_dir=options.get("storage_dir"))
     if name == "broadcast":
         from torchrl_vllm_ext.weight_sync.transports.broadcast import BroadcastTransport
 
         return BroadcastTransport(
-            service, bucket_bytes=options["bucket_bytes"], timeout_s=options["timeout_s"]
+            fleet, bucket_bytes=options["bucket_bytes"], timeout_s=options["timeout_s"]
         )
     raise ValueError(f"no transport named {name!r}")

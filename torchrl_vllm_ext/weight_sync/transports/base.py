@@ -14,21 +14,16 @@ register it in :func:`~torchrl_vllm_ext.weight_sync.transports.make_transport`.
 from __future__ import annotations
 
 import abc
-import asyncio
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS, actor_cause
+from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaFleet, ReplicaView
 from torchrl_vllm_ext.errors import WeightSyncError
 
-logger = logging.getLogger(__name__)
-
-Replicas = list[tuple[int, Any]]
-"""``(replica id, Ray actor handle)`` of the replicas a push reaches."""
+Replicas = list[ReplicaView]
+"""The replicas a push reaches (a transport drops those that died, in place)."""
 
 
 @dataclass(frozen=True)
@@ -41,50 +36,13 @@ class WorkerCall:
     """Its positional arguments."""
 
 
-@dataclass
-class Outcomes:
-    """Results of one call per replica, by replica id."""
-
-    results: dict[int, Any] = field(default_factory=dict)
-    """Replicas that answered, and what."""
-    dead: list[int] = field(default_factory=list)
-    """Replicas that died meanwhile (the service restarts them)."""
-    errors: dict[int, BaseException] = field(default_factory=dict)
-    """Replicas whose call failed, and why."""
-
-
-async def fan_out(replicas: Replicas, call: Callable[[Any], Any], what: str) -> Outcomes:
-    """Run ``call(handle)`` (a Ray object ref) on every replica at once; every outcome.
-
-    Never stops at the first failure: the caller sees which replicas did what.
-    """
-    refs = [call(handle) for _, handle in replicas]
-    answers = await asyncio.gather(*refs, return_exceptions=True)
-    out = Outcomes()
-    for (rid, _), answer in zip(replicas, answers, strict=True):
-        if isinstance(answer, DEATH_ERRORS):
-            logger.warning("replica %d died during %s (%s)", rid, what, type(answer).__name__)
-            out.dead.append(rid)
-        elif isinstance(answer, BaseException):
-            out.errors[rid] = answer
-        else:
-            out.results[rid] = answer
-    return out
-
-
-def first_error(outcomes: Outcomes) -> tuple[int, BaseException, BaseException]:
-    """The first failed replica: its id, the error, and the replica-side cause inside it."""
-    rid, error = next(iter(outcomes.errors.items()))
-    return rid, error, actor_cause(error)
-
-
 def raise_errors(outcomes: Outcomes, what: str, version: str) -> None:
     """A :class:`WeightSyncError` naming the first failed replica, if any failed."""
     if outcomes.errors:
-        rid, error, cause = first_error(outcomes)
+        rid, cause = next(iter(outcomes.errors.items()))
         raise WeightSyncError(
             f"{what} of version {version} failed on replica {rid}: {cause}"
-        ) from error
+        ) from cause
 
 
 class Transport(abc.ABC):
@@ -95,8 +53,8 @@ class Transport(abc.ABC):
         ...     name = "noop"
         ...     async def prepare(self, tensors, version, replicas, phases):
         ...         return WorkerCall("reload_checkpoint", (version,))  # a worker-extension method
-        ...     async def bring_up(self, handle, version):
-        ...         await handle.collective_rpc.remote("reload_checkpoint", (version,))
+        ...     async def bring_up(self, replica, version):
+        ...         await replica.handle.collective_rpc.remote("reload_checkpoint", (version,))
     """
 
     name: ClassVar[str]
@@ -104,13 +62,11 @@ class Transport(abc.ABC):
     checks_finite: ClassVar[bool] = False
     """Whether :meth:`prepare` rejects non-finite tensors itself (in its copy pass),
     so the scheme's validation can skip that pass."""
-    survives_replica_loss: ClassVar[bool] = True
-    """Whether a push can go on when a replica dies during it (a collective cannot)."""
     loads_one_at_a_time: ClassVar[bool] = True
     """Whether replicas can load one after the other (``rollout="rolling"``)."""
 
-    def __init__(self, service):
-        self.service = service
+    def __init__(self, fleet: ReplicaFleet):
+        self.fleet = fleet
 
     @abc.abstractmethod
     async def prepare(
@@ -132,8 +88,9 @@ class Transport(abc.ABC):
         return None
 
     @abc.abstractmethod
-    async def bring_up(self, handle, version: str) -> None:
-        """Load the committed ``version`` into a restarted replica's workers."""
+    async def bring_up(self, replica: ReplicaView, version: str) -> None:
+        """Load the committed ``version`` into a restarted replica's workers (it takes no
+        traffic yet; call its handle directly)."""
 
     def close(self) -> None:
         """Release what the transport holds (groups, mappings)."""

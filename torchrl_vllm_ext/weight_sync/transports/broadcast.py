@@ -20,13 +20,13 @@ import torch
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import WorkerMethods
 from torchrl_vllm_ext.weight_sync.collective import BroadcastGroup, listen
-from torchrl_vllm_ext.weight_sync.packing import header_to_json, pack
+from torchrl_vllm_ext.weight_sync.packing import pack
+from torchrl_vllm_ext.weight_sync.specs import to_json
 from torchrl_vllm_ext.weight_sync.transports.base import (
     Outcomes,
     Replicas,
     Transport,
     WorkerCall,
-    fan_out,
     raise_errors,
 )
 
@@ -38,7 +38,7 @@ class BroadcastTransport(Transport):
     """Weights as packed buckets broadcast from the trainer (rank 0) to every worker.
 
     Args:
-        service: the :class:`~torchrl_vllm_ext.VLLMService` pushed to.
+        fleet: the replicas pushed to (a service's ``pool``).
         bucket_bytes: bucket size.
         timeout_s: the group's collective timeout.
 
@@ -49,12 +49,11 @@ class BroadcastTransport(Transport):
     """
 
     name = "broadcast"
-    survives_replica_loss = False
     loads_one_at_a_time = False
 
-    def __init__(self, service, bucket_bytes: int, timeout_s: float):
-        super().__init__(service)
-        self.backend = "nccl" if torch.cuda.is_available() and service.uses_gpu else "gloo"
+    def __init__(self, fleet, bucket_bytes: int, timeout_s: float):
+        super().__init__(fleet)
+        self.backend = "nccl" if torch.cuda.is_available() and fleet.uses_gpu else "gloo"
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.group: BroadcastGroup | None = None
@@ -67,18 +66,13 @@ class BroadcastTransport(Transport):
     ) -> WorkerCall:
         t0 = time.perf_counter()
         header, buffers = await asyncio.to_thread(pack, tensors, version, self.bucket_bytes)  # 1)
-        header_json = header_to_json(header)
+        header_json = to_json(header)
         t1 = time.perf_counter()
         await self._ensure_group(replicas)  # 2)
-        self._check(
-            await fan_out(  # 3)
-                replicas,
-                lambda h: h.collective_rpc.remote(WorkerMethods.STAGE_BROADCAST, (header_json,)),
-                "stage",
-            ),
-            "stage",
-            version,
+        staged = await self.fleet.call_all(  # 3)
+            "collective_rpc", WorkerMethods.STAGE_BROADCAST, (header_json,), replicas=replicas
         )
+        self._check(staged, "stage", version)
         try:
             await asyncio.to_thread(self.group.send, buffers)  # 4)
         except Exception as e:
@@ -95,7 +89,7 @@ class BroadcastTransport(Transport):
         if outcomes.dead:
             self._drop_group()
             raise WeightSyncError(
-                f"replica(s) {outcomes.dead} died during {what} of version {version}; the "
+                f"replica(s) {sorted(outcomes.dead)} died during {what} of version {version}; the "
                 "broadcast group is broken, so no replica loaded it. The service restarts the "
                 "dead replica(s); push again."
             )
@@ -103,10 +97,8 @@ class BroadcastTransport(Transport):
 
     async def _wait_staged(self, replicas: Replicas, version: str) -> None:
         while True:
-            ready = await fan_out(
-                replicas,
-                lambda h: h.collective_rpc.remote(WorkerMethods.STAGED_READY, (version,)),
-                "receive",
+            ready = await self.fleet.call_all(
+                "collective_rpc", WorkerMethods.STAGED_READY, (version,), replicas=replicas
             )
             self._check(ready, "receive", version)
             if all(all(per_worker) for per_worker in ready.results.values()):
@@ -116,9 +108,10 @@ class BroadcastTransport(Transport):
     async def commit(self, version: str) -> None:
         self._committed = self._staged
 
-    async def bring_up(self, handle, version: str) -> None:
+    async def bring_up(self, replica, version: str) -> None:
         header_json, buffers = self._committed
-        group = await self._form_group([handle])
+        handle = replica.handle
+        group = await self._form_group([replica])
         try:
             ref = handle.collective_rpc.remote(WorkerMethods.RECEIVE_BROADCAST, (header_json,))
             await asyncio.to_thread(group.send, buffers)
@@ -128,19 +121,18 @@ class BroadcastTransport(Transport):
             group.close()
 
     # ------------------------------------------------------------------ the group
-    async def _form_group(self, handles) -> BroadcastGroup:
+    async def _form_group(self, replicas: Replicas) -> BroadcastGroup:
         host = ray.util.get_node_ip_address()
         listener = listen(host)  # bound before the workers are told its port: no race
         port = listener.getsockname()[1]
-        cfg = self.service.config
-        n = cfg.tensor_parallel_size * cfg.pipeline_parallel_size  # workers per replica
-        world = 1 + n * len(handles)
+        n = self.fleet.workers_per_replica
+        world = 1 + n * len(replicas)
         joins = [
-            h.collective_rpc.remote(
+            r.handle.collective_rpc.remote(
                 WorkerMethods.INIT_BROADCAST,
                 (host, port, world, 1 + i * n, self.backend, self.timeout_s),
             )
-            for i, h in enumerate(handles)
+            for i, r in enumerate(replicas)
         ]
         # Rank 0's store blocks until every worker joined.
         group = await asyncio.to_thread(
@@ -150,20 +142,18 @@ class BroadcastTransport(Transport):
         return group
 
     async def _ensure_group(self, replicas: Replicas) -> None:
-        members = tuple((rid, self.service.replica_info(rid).pid) for rid, _ in replicas)
+        members = tuple((r.replica_id, r.info.pid) for r in replicas)
         if self.group is not None and members == self._members:
             return
         self._drop_group()
-        self.group = await self._form_group([h for _, h in replicas])
+        self.group = await self._form_group(replicas)
         self._members = members
 
     def _drop_group(self) -> None:
         if self.group is not None:
-            for rid, _ in self._members:
-                if rid in self.service.replica_ids:
-                    self.service.replica_handle(rid).collective_rpc.remote(
-                        WorkerMethods.CLOSE_BROADCAST
-                    )
+            for r in self.fleet.ready():
+                if (r.replica_id, r.info.pid) in self._members:
+                    r.handle.collective_rpc.remote(WorkerMethods.CLOSE_BROADCAST)
             self.group.close()
         self.group, self._members = None, ()
 

@@ -16,15 +16,14 @@ import time
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.messages import SlotManifest
 from torchrl_vllm_ext.protocol import ActorMethods, WorkerMethods
 from torchrl_vllm_ext.weight_sync.params import require_finite
 from torchrl_vllm_ext.weight_sync.slots import SlotWriter
+from torchrl_vllm_ext.weight_sync.specs import SlotManifest
 from torchrl_vllm_ext.weight_sync.transports.base import (
     Replicas,
     Transport,
     WorkerCall,
-    fan_out,
     raise_errors,
 )
 
@@ -33,7 +32,7 @@ class StorageTransport(Transport):
     """Weights through two memory-mapped TensorDict slots (see :mod:`..slots`).
 
     Args:
-        service: the :class:`~torchrl_vllm_ext.VLLMService` pushed to.
+        fleet: the replicas pushed to (a service's ``pool``).
         storage_dir: root of the slots (default: a private tmpfs directory); on a
             multi-host cluster, a directory every host shares.
 
@@ -46,8 +45,8 @@ class StorageTransport(Transport):
     name = "storage"
     checks_finite = True
 
-    def __init__(self, service, storage_dir=None):
-        super().__init__(service)
+    def __init__(self, fleet, storage_dir=None):
+        super().__init__(fleet)
         self.writer = SlotWriter(storage_dir)
         self._previous: SlotManifest | None = None
 
@@ -62,17 +61,15 @@ class StorageTransport(Transport):
         self._previous = self.writer.published()
         await asyncio.to_thread(self.writer.write, tensors, version, require_finite)  # 1)
         t1 = time.perf_counter()
-        staged = await fan_out(  # 2)
-            replicas,
-            lambda h: h.extension_call.remote(ActorMethods.STAGE_STORAGE, (self.root, version)),
-            "stage",
+        staged = await self.fleet.call_all(  # 2)
+            "extension_call", ActorMethods.STAGE_STORAGE, (self.root, version), replicas=replicas
         )
         try:
             raise_errors(staged, "stage", version)
         except WeightSyncError:
             await self.rollback(version)
             raise
-        replicas[:] = [(rid, h) for rid, h in replicas if rid in staged.results]
+        replicas[:] = [r for r in replicas if r.replica_id in staged.results]
         phases.update(write=t1 - t0, stage=time.perf_counter() - t1)
         return WorkerCall(WorkerMethods.LOAD_FROM_STORAGE, (self.root, version, True))
 
@@ -82,5 +79,7 @@ class StorageTransport(Transport):
             # the replicas still serve (a write only ever fills the other slot).
             await asyncio.to_thread(self.writer.publish, self._previous)
 
-    async def bring_up(self, handle, version: str) -> None:
-        await handle.collective_rpc.remote(WorkerMethods.LOAD_FROM_STORAGE, (self.root, version))
+    async def bring_up(self, replica, version: str) -> None:
+        await replica.handle.collective_rpc.remote(
+            WorkerMethods.LOAD_FROM_STORAGE, (self.root, version)
+        )

@@ -1,7 +1,7 @@
 """A replica killed mid-batch, and scaling while serving.
 
-Named to run after the other integration tests that share the service: a killed
-replica takes ~30 s to come back.
+Each test leaves the shared service as it found it (two ready replicas at version "0"),
+so the file runs in any order with the others.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections import Counter
 
 import psutil
 
-from .conftest import wait_until
+from ..helpers import wait_until
 
 LONG = {"max_tokens": 64, "ignore_eos": True}
 
@@ -29,7 +29,7 @@ def test_sigkill_during_a_batch_loses_nothing_and_replica_restarts(service):
     engine_pids = [p.pid for p in psutil.Process(old_pid).children(recursive=True)]
     batch = prompts(48)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(service.generate_batch, batch, LONG, routing="round_robin")
+        fut = pool.submit(service.generate_request_data, batch, LONG, routing="round_robin")
         wait_until(
             lambda: any(s.running > 0 for s in service.stats() if s.replica_id == victim),
             60,
@@ -59,7 +59,9 @@ def test_sigkill_during_a_batch_loses_nothing_and_replica_restarts(service):
         30,
         what="the dead replica's engine processes to exit",
     )
-    data = service.generate_batch(prompts(4, seed=1), {"max_tokens": 2}, routing="round_robin")
+    data = service.generate_request_data(
+        prompts(4, seed=1), {"max_tokens": 2}, routing="round_robin"
+    )
     assert {d.replica_id for d in data} == set(service.replica_ids)
     service.set_weight_version("0")
 
@@ -70,12 +72,14 @@ def test_add_then_remove_replicas_while_serving(service):
     assert len(added) == 1 and service.num_replicas == 3
     ids = [
         d.replica_id
-        for d in service.generate_batch(prompts(6), {"max_tokens": 2}, routing="round_robin")
+        for d in service.generate_request_data(prompts(6), {"max_tokens": 2}, routing="round_robin")
     ]
     assert set(ids) == set(before) | set(added)
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(service.generate_batch, prompts(30, seed=2), LONG, routing="round_robin")
+        fut = pool.submit(
+            service.generate_request_data, prompts(30, seed=2), LONG, routing="round_robin"
+        )
         wait_until(
             lambda: sum(s.outstanding > 0 for s in service.stats()) == 3,
             60,
@@ -89,6 +93,6 @@ def test_add_then_remove_replicas_while_serving(service):
     assert all(len(d.samples[0].token_ids) == 64 for d in data)
     ids = {
         d.replica_id
-        for d in service.generate_batch(prompts(4), {"max_tokens": 2}, routing="round_robin")
+        for d in service.generate_request_data(prompts(4), {"max_tokens": 2}, routing="round_robin")
     }
     assert removed[0] not in ids

@@ -1,0 +1,358 @@
+"""Helpers shared by the test tiers: engine settings, exactness checks, fault and traffic
+tools, adapters and cluster launches. One module, imported by the conftests and tests;
+no test file imports another."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+import psutil
+import torch
+
+from torchrl_vllm_ext import VLLMService
+from torchrl_vllm_ext.batches import RequestBatch
+from torchrl_vllm_ext.errors import TorchRLVLLMError
+from torchrl_vllm_ext.messages import ReplicaInfo, RequestData, SampleData
+
+# Small and exact: fp32 so replica log-probs can be compared with transformers'.
+ENGINE_KWARGS = {
+    "dtype": "float32",
+    "max_model_len": 256,
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 64 << 20,
+}
+CPUS_PER_REPLICA = 0.5
+NUM_REPLICAS = 2
+RESTART_TIMEOUT = 300.0  # generous: a restart is ~30 s on 2 shared cores
+WORKERS = ("127.0.0.2", "127.0.0.3")
+"""The worker nodes of the loopback cluster (tests/cluster)."""
+ON_WORKERS = {"rollout": 0.01}
+LORA_KWARGS = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+
+
+def launch(model, num_replicas: int = NUM_REPLICAS, **kwargs) -> VLLMService:
+    """A service with the tests' engine settings (fp32, small KV cache, fractional CPUs)."""
+    options = {"cpus_per_replica": CPUS_PER_REPLICA, **kwargs}
+    return VLLMService.launch(model, num_replicas=num_replicas, **options, **ENGINE_KWARGS)
+
+
+def hf_token_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """Log-prob the transformers model gives each of ``ids[1:]`` after the tokens before it."""
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(x).logits.float()
+    logp = torch.log_softmax(logits[0, :-1], dim=-1)
+    return logp.gather(-1, x[0, 1:, None])[:, 0]
+
+
+def grpo_backward(model, tokenizer, data, pad_output: bool) -> None:
+    """TorchRL's GRPOLoss with a transformers actor on ``data`` (which carries "advantage"):
+    loss and backward; the engine held the trainer's exact fp32 weights, so importance
+    weights are 1 (ESS 1, KL 0) and the gradients are finite."""
+    from torchrl.modules.llm import TransformersWrapper
+    from torchrl.objectives.llm import GRPOLoss
+
+    actor = TransformersWrapper(
+        model, tokenizer=tokenizer, input_mode="tokens", generate=False, pad_output=pad_output
+    )
+    loss_fn = GRPOLoss(actor, masking_strategy="sft")
+    model.zero_grad()
+    out = loss_fn(data)
+    out.loss_objective.backward()
+    assert abs(float(out.ESS) - 1.0) < 1e-3 and abs(float(out.kl_approx)) < 1e-3
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    model.zero_grad()
+
+
+SEQUENCE = list(range(5, 45))  # the fixed sequence the exactness checks score
+
+
+def replica_logprobs(service, ids=SEQUENCE) -> dict[int, tuple[torch.Tensor, str]]:
+    """Score ``ids`` on every replica; {replica_id: (log-probs of ids[1:], weight version)}."""
+    n = service.num_replicas
+    data = service.generate_request_data(
+        [ids] * n, {"max_tokens": 1, "prompt_logprobs": 0}, routing="round_robin"
+    )
+    assert {d.replica_id for d in data} == set(service.replica_ids)
+    return {d.replica_id: (torch.tensor(d.prompt_logprobs[1:]), d.weight_version_end) for d in data}
+
+
+def perturb(model, seed: int) -> None:
+    """Add seeded noise to every parameter (a stand-in for a training step)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def assert_replicas_match(service, model, version: str, tol: float = 1e-4) -> float:
+    """Every replica serves ``version`` and its log-probs equal ``model``'s; returns the worst gap."""
+    ref = hf_token_logprobs(model, SEQUENCE)
+    worst = 0.0
+    for rid, (got, served) in replica_logprobs(service).items():
+        assert served == version, f"replica {rid} serves version {served}, expected {version}"
+        gap = (got - ref).abs().max().item()
+        assert gap < tol, f"replica {rid}: max |replica - trainer| log-prob = {gap:.2e}"
+        worst = max(worst, gap)
+    assert set(service.weight_versions().values()) == {version}
+    return worst
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def make_adapter(model_dir, out_dir, seed: int, rank: int = 8):
+    """A PEFT LoRA on every linear layer of the tiny model with random (non-zero) A and B,
+    saved to ``out_dir``; returns the PEFT model (fp32, eval)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank,
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        lora_dropout=0.0,
+    )
+    model = get_peft_model(base, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.05)
+    model.save_pretrained(out_dir)
+    return model.eval()
+
+
+def wait_ready(service, n: int = NUM_REPLICAS) -> None:
+    """Wait until ``n`` replicas serve (a killed one is back)."""
+    wait_until(
+        lambda: service.num_replicas >= n,
+        RESTART_TIMEOUT,
+        interval=0.5,
+        what=f"{n} ready replicas",
+    )
+
+
+def replica_pids(service, rid: int) -> tuple[int, int | None]:
+    """(actor pid, engine-core pid) of a replica."""
+    actor = service.replica_info(rid).pid
+    children = psutil.Process(actor).children(recursive=True)
+    engine = next((p.pid for p in children if "EngineCore" in _name(p)), None)
+    return actor, engine
+
+
+def _name(p: psutil.Process) -> str:
+    try:
+        return p.name() + " " + " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def kill_replica(service, rid: int, rng: random.Random) -> tuple[int, str]:
+    """SIGKILL the actor or the engine-core process of replica ``rid``; returns (old actor pid, what)."""
+    actor, engine = replica_pids(service, rid)
+    what = rng.choice(["actor", "engine"]) if engine is not None else "actor"
+    os.kill(actor if what == "actor" else engine, signal.SIGKILL)
+    return actor, what
+
+
+def wait_restarted(service, rid: int, old_pid: int) -> None:
+    wait_until(
+        lambda: rid in service.replica_ids and service.replica_info(rid).pid != old_pid,
+        RESTART_TIMEOUT,
+        interval=0.2,
+        what=f"replica {rid} to restart",
+    )
+
+
+def service_rss(service) -> int:
+    """Resident bytes of the driver plus every replica actor and its engine processes."""
+    procs = [psutil.Process()]
+    for rid in service.replica_ids:
+        actor = psutil.Process(service.replica_info(rid).pid)
+        procs += [actor, *actor.children(recursive=True)]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    return [[7 + seed % 50, 8, 9, 10 + i % 100, 11 + i % 100] for i in range(n)]
+
+
+@dataclass
+class Traffic:
+    """Client threads that keep sending batches until stopped, recording every outcome.
+
+    Every call returns (a full answer, checked by :meth:`check`) or raises; a call that
+    never returns would hang :meth:`stop`, which turns a lost request into a failure.
+    """
+
+    service: object
+    threads: int = 3
+    batch: int = 12
+    params: dict = field(default_factory=lambda: {"max_tokens": 24, "ignore_eos": True})
+    outcomes: list = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _workers: list = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    sent: int = 0
+
+    def start(self) -> Traffic:
+        for i in range(self.threads):
+            t = threading.Thread(target=self._run, args=(i,), daemon=True)
+            t.start()
+            self._workers.append(t)
+        return self
+
+    def _run(self, i: int) -> None:
+        k = 0
+        while not self._stop.is_set():
+            batch = prompts(self.batch, seed=31 * i + k)
+            k += 1
+            with self._lock:
+                self.sent += 1
+            try:
+                self.outcomes.append(
+                    (batch, self.service.generate_request_data(batch, self.params))
+                )
+            except BaseException as e:
+                self.outcomes.append((batch, e))
+
+    def stop(self, timeout: float = RESTART_TIMEOUT * 2) -> None:
+        self._stop.set()
+        for t in self._workers:
+            t.join(timeout)
+            assert not t.is_alive(), "a client call never returned (a request was lost)"
+
+    def check(self, full_length: bool = True) -> tuple[int, int]:
+        """Every call answered every prompt in order, or raised a typed error; (ok, errors)."""
+        assert len(self.outcomes) == self.sent, "every sent batch has an outcome"
+        ok = errors = 0
+        for batch, out in self.outcomes:
+            if isinstance(out, BaseException):
+                assert isinstance(out, TorchRLVLLMError), f"untyped error: {out!r}"
+                errors += 1
+                continue
+            assert [d.prompt_token_ids.tolist() for d in out] == batch
+            for d in out:
+                s = d.samples[0]
+                if full_length:
+                    assert len(s.token_ids) == self.params["max_tokens"], s.finish_reason
+                else:  # a sync with pause_mode="abort" may end requests early
+                    assert s.finish_reason in ("length", "abort"), s.finish_reason
+            ok += 1
+        return ok, errors
+
+
+def launch_on_workers(cluster, model, **kwargs) -> VLLMService:
+    """A service on ``cluster`` whose replicas go to the worker nodes only."""
+    return VLLMService.launch(
+        model,
+        ray_address=cluster.address,
+        replica_resources=ON_WORKERS,
+        **{"health_check_interval": 0, **kwargs},
+        **ENGINE_KWARGS,
+    )
+
+
+def nodes_of(service) -> dict[int, str]:
+    return {rid: service.replica_info(rid).node_ip for rid in service.replica_ids}
+
+
+# ---------------------------------------------------------------------------- stand-ins
+# For unit tests of the policy's logic without engines (tests/unit).
+def sample(ids, finish="length", text=""):
+    ids = np.asarray(ids, dtype=np.int64)
+    return SampleData(
+        token_ids=ids,
+        logprobs=-(np.arange(len(ids), dtype=np.float32) + 1) / 10,
+        finish_reason=finish,
+        stop_reason=None,
+        text=text,
+    )
+
+
+def request(prompt, responses, prompt_lp=False, version="3"):
+    prompt = np.asarray(prompt, dtype=np.int64)
+    plp = None
+    if prompt_lp:
+        plp = -np.arange(len(prompt), dtype=np.float32) - 0.5
+        plp[0] = np.nan
+    return RequestData(
+        prompt_token_ids=prompt,
+        prompt_logprobs=plp,
+        samples=[sample(r) for r in responses],
+        replica_id=0,
+        weight_version_start=version,
+        weight_version_end=version,
+    )
+
+
+class FakeService:
+    """generate_request_data like VLLMService: response = max_tokens ids counting up from the last id."""
+
+    replica_ids: ClassVar[list[int]] = [0]
+
+    def __init__(self, max_token_id=499):
+        self.calls = []
+        self.max_token_id = max_token_id
+
+    def replica_info(self, rid):
+        return ReplicaInfo(rid, 0, "127.0.0.1", 256, self.max_token_id, 1000)
+
+    def generate_request_data(self, prompts, params, timeout=None, routing=None):
+        self.calls.append((prompts, params))
+        per = params if isinstance(params, list) else [params] * len(prompts)
+        out = []
+        for p, sp in zip(prompts, per, strict=True):
+            p = np.asarray(p)
+            n, m = sp.get("n", 1), sp.get("max_tokens", 4)
+            if sp.get("prompt_logprobs") == 0:
+                out.append(request(p, [[1]], prompt_lp=True))
+                continue
+            out.append(request(p, [(p[-1] + 1 + k + np.arange(m)) % 400 for k in range(n)]))
+        return out
+
+    def generate_request_batch(
+        self, prompts, params, timeout=None, routing=None, lora=None, return_log_probs=True
+    ):
+        self.log_probs_asked = return_log_probs
+        return RequestBatch.from_requests(
+            self.generate_request_data(prompts, params, timeout=timeout)
+        )
+
+    async def agenerate_request_batch(self, prompts, params, **kwargs):
+        await asyncio.sleep(0)
+        return self.generate_request_batch(prompts, params, **kwargs)

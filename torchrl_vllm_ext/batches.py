@@ -1,0 +1,265 @@
+"""Batches as columns: the form requests (:class:`PromptBatch`) and results
+(:class:`RequestBatch`) cross processes in.
+
+Ray serialises every numpy array as its own out-of-band buffer, so a batch of 64
+requests as per-request objects costs ~130 buffers; as a few flat arrays, a handful.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchrl_vllm_ext.messages import RequestData, SampleData
+
+
+@dataclass
+class PromptBatch:
+    """A replica's share of a batch: prompts in flat arrays, as results come back.
+
+    Examples:
+        >>> batch = PromptBatch.of([np.array([1, 2, 3]), np.array([4])], "b0", [5, 9])
+        >>> [p.tolist() for p in batch.prompts()], batch.request_ids()
+        ([[1, 2, 3], [4]], ['b0-5', 'b0-9'])
+    """
+
+    token_ids: np.ndarray
+    """Every prompt's ids, concatenated (int64)."""
+    lengths: np.ndarray
+    """Tokens per prompt (R,)."""
+    id_prefix: str
+    """Request ids are ``f"{id_prefix}-{index}"``."""
+    indices: np.ndarray
+    """Each prompt's index in the caller's batch (R,)."""
+    seeds: np.ndarray | None = None
+    """A sampling seed per prompt (R,), or None: the sampling parameters' own."""
+
+    @classmethod
+    def of(cls, prompts, id_prefix: str, indices, seeds=None) -> PromptBatch:
+        """Pack 1-D int arrays (the prompts) and their indices."""
+        return cls(
+            token_ids=np.concatenate(prompts).astype(np.int64, copy=False),
+            lengths=np.array([len(p) for p in prompts], dtype=np.int64),
+            id_prefix=id_prefix,
+            indices=np.asarray(indices, dtype=np.int64),
+            seeds=None if seeds is None else np.asarray(seeds, dtype=np.int64),
+        )
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def prompts(self) -> list[np.ndarray]:
+        """Each prompt's ids (views into :attr:`token_ids`)."""
+        return np.split(self.token_ids, np.cumsum(self.lengths)[:-1])
+
+    def request_ids(self) -> list[str]:
+        return [f"{self.id_prefix}-{i}" for i in self.indices.tolist()]
+
+
+@dataclass
+class RequestBatch:
+    """Finished requests, field by field in flat arrays: the one form results travel in.
+
+    A replica returns one; the service merges the replicas' batches into one in input
+    order, which goes straight into the TensorDict conversion
+    (:mod:`torchrl_vllm_ext.wrappers.convert`). Ray serialises every numpy array as its
+    own out-of-band buffer: 64 requests as :class:`RequestData` cost ~130 buffers and
+    ~8 ms to deserialise on the driver, as these few flat arrays well under 1 ms.
+    :meth:`unpack` gives :class:`RequestData` views for callers that want one object
+    per request.
+
+    Examples:
+        >>> import numpy as np
+        >>> sample = SampleData(np.array([7, 8]), None, "length", None, "")
+        >>> req = RequestData(np.array([1, 2, 3]), None, [sample], 0, "1", "1")
+        >>> batch = RequestBatch.from_requests([req, req])
+        >>> batch.token_ids.tolist(), batch.prompt_lengths.tolist()
+        ([7, 8, 7, 8], [3, 3])
+        >>> RequestBatch.merge([([1], batch.take(np.array([0]))), ([0], batch.take(np.array([1])))], 2).unpack()[0].prompt_token_ids.tolist()
+        [1, 2, 3]
+    """
+
+    prompt_token_ids: np.ndarray
+    """Every prompt's ids, concatenated (int64)."""
+    prompt_lengths: np.ndarray
+    """Tokens per prompt (R,)."""
+    prompt_logprobs: np.ndarray
+    """Prompt log-probs, concatenated like the ids (float32; NaN where not asked, and at
+    each prompt's first token)."""
+    has_prompt_logprobs: np.ndarray
+    """Whether request r asked for prompt log-probs (bool, R)."""
+    samples_per_request: np.ndarray
+    """Samples of each request (R,)."""
+    token_ids: np.ndarray
+    """Every sample's ids, concatenated in request then sample order (int64)."""
+    sample_lengths: np.ndarray
+    """Tokens per sample (S,)."""
+    logprobs: np.ndarray
+    """Sampled-token log-probs, concatenated like the ids (float32; NaN where not asked)."""
+    has_logprobs: np.ndarray
+    """Whether sample s carries log-probs (bool, S)."""
+    finish_reasons: list
+    """vLLM's finish reason of each sample (S)."""
+    stop_reasons: list
+    """The stop string or token that ended each sample, if any (S)."""
+    texts: list[str]
+    """Detokenised completion of each sample ("" when detokenisation is off) (S)."""
+    replica_ids: np.ndarray
+    """Replica that served each request (R,)."""
+    versions_start: list[str]
+    """Weight version of the replica when each request was admitted (R)."""
+    versions_end: list[str]
+    """Weight version when it finished (differs only if a ``keep`` pause spanned a sync) (R)."""
+    end_version_from: np.ndarray
+    """Index of each sample's first token generated with ``versions_end`` (0: all) (S,)."""
+    cached_tokens: np.ndarray
+    """Prompt tokens of each request served from vLLM's prefix cache (R,)."""
+
+    def __len__(self) -> int:
+        return len(self.prompt_lengths)
+
+    @property
+    def request_of_sample(self) -> np.ndarray:
+        """Index of the request each sample belongs to (S,)."""
+        return np.repeat(np.arange(len(self)), self.samples_per_request)
+
+    @classmethod
+    def from_requests(cls, requests: list[RequestData]) -> RequestBatch:
+        """Pack :class:`RequestData` (e.g. built by hand in a test) into flat arrays."""
+        samples = [s for r in requests for s in r.samples]
+
+        def cat(arrays, dtype):
+            return (
+                np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
+            )
+
+        def values_or_nan(arrays, lengths):
+            return [
+                a if a is not None else np.full(n, np.nan, np.float32)
+                for a, n in zip(arrays, lengths, strict=True)
+            ]
+
+        prompt_lengths = np.array([r.prompt_token_ids.size for r in requests], dtype=np.int64)
+        sample_lengths = np.array([s.token_ids.size for s in samples], dtype=np.int64)
+        return cls(
+            prompt_token_ids=cat([r.prompt_token_ids for r in requests], np.int64),
+            prompt_lengths=prompt_lengths,
+            prompt_logprobs=cat(
+                values_or_nan([r.prompt_logprobs for r in requests], prompt_lengths), np.float32
+            ),
+            has_prompt_logprobs=np.array(
+                [r.prompt_logprobs is not None for r in requests], dtype=bool
+            ),
+            samples_per_request=np.array([len(r.samples) for r in requests], dtype=np.int64),
+            token_ids=cat([s.token_ids for s in samples], np.int64),
+            sample_lengths=sample_lengths,
+            logprobs=cat(values_or_nan([s.logprobs for s in samples], sample_lengths), np.float32),
+            has_logprobs=np.array([s.logprobs is not None for s in samples], dtype=bool),
+            finish_reasons=[s.finish_reason for s in samples],
+            stop_reasons=[s.stop_reason for s in samples],
+            texts=[s.text for s in samples],
+            replica_ids=np.array([r.replica_id for r in requests], dtype=np.int64),
+            versions_start=[r.weight_version_start for r in requests],
+            versions_end=[r.weight_version_end for r in requests],
+            end_version_from=np.array([s.end_version_from for s in samples], dtype=np.int64),
+            cached_tokens=np.array([r.cached_tokens for r in requests], dtype=np.int64),
+        )
+
+    @classmethod
+    def merge(cls, parts: list[tuple[list[int], RequestBatch]], n: int) -> RequestBatch:
+        """One batch of ``n`` requests from ``(input indices, batch)`` parts, in input order."""
+        if len(parts) == 1 and parts[0][0] == list(range(n)):
+            return parts[0][1]
+        whole = cls.concat([b for _, b in parts])
+        position = np.concatenate([np.asarray(idxs, dtype=np.int64) for idxs, _ in parts])
+        order = np.empty(n, dtype=np.int64)
+        order[position] = np.arange(n)
+        return whole.take(order)
+
+    @classmethod
+    def concat(cls, batches: list[RequestBatch]) -> RequestBatch:
+        """The requests of ``batches`` one after the other."""
+        first = batches[0]
+        if len(batches) == 1:
+            return first
+        fields = {}
+        for name in first.__dataclass_fields__:
+            values = [getattr(b, name) for b in batches]
+            if isinstance(values[0], np.ndarray):
+                fields[name] = np.concatenate(values)
+            else:
+                fields[name] = [v for vs in values for v in vs]
+        return cls(**fields)
+
+    def take(self, order: np.ndarray) -> RequestBatch:
+        """The requests at indices ``order`` (vectorised: one gather per field)."""
+
+        def gather(lengths, picked):
+            """Flat indices of the segments ``picked`` of a concatenation with ``lengths``."""
+            starts, sizes = np.cumsum(lengths) - lengths, lengths[picked]
+            within = np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+            return np.repeat(starts[picked], sizes) + within
+
+        tokens = gather(self.prompt_lengths, order)
+        samples = gather(self.samples_per_request, order)
+        sample_tokens = gather(self.sample_lengths, samples)
+        return RequestBatch(
+            prompt_token_ids=self.prompt_token_ids[tokens],
+            prompt_lengths=self.prompt_lengths[order],
+            prompt_logprobs=self.prompt_logprobs[tokens],
+            has_prompt_logprobs=self.has_prompt_logprobs[order],
+            samples_per_request=self.samples_per_request[order],
+            token_ids=self.token_ids[sample_tokens],
+            sample_lengths=self.sample_lengths[samples],
+            logprobs=self.logprobs[sample_tokens],
+            has_logprobs=self.has_logprobs[samples],
+            finish_reasons=[self.finish_reasons[s] for s in samples.tolist()],
+            stop_reasons=[self.stop_reasons[s] for s in samples.tolist()],
+            texts=[self.texts[s] for s in samples.tolist()],
+            replica_ids=self.replica_ids[order],
+            versions_start=[self.versions_start[r] for r in order.tolist()],
+            versions_end=[self.versions_end[r] for r in order.tolist()],
+            end_version_from=self.end_version_from[samples],
+            cached_tokens=self.cached_tokens[order],
+        )
+
+    def unpack(self) -> list[RequestData]:
+        """One :class:`RequestData` per request (views of the flat arrays)."""
+
+        def split(flat, lengths):
+            return np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
+
+        prompts = split(self.prompt_token_ids, self.prompt_lengths)
+        prompt_lps = split(self.prompt_logprobs, self.prompt_lengths)
+        ids = split(self.token_ids, self.sample_lengths)
+        lps = split(self.logprobs, self.sample_lengths)
+        samples = [
+            SampleData(
+                token_ids=ids[s],
+                logprobs=lps[s] if self.has_logprobs[s] else None,
+                finish_reason=self.finish_reasons[s],
+                stop_reason=self.stop_reasons[s],
+                text=self.texts[s],
+                end_version_from=int(self.end_version_from[s]),
+            )
+            for s in range(len(ids))
+        ]
+        out, first = [], 0
+        for r, n in enumerate(self.samples_per_request.tolist()):
+            out.append(
+                RequestData(
+                    prompt_token_ids=prompts[r],
+                    prompt_logprobs=prompt_lps[r] if self.has_prompt_logprobs[r] else None,
+                    samples=samples[first : first + n],
+                    replica_id=int(self.replica_ids[r]),
+                    weight_version_start=self.versions_start[r],
+                    weight_version_end=self.versions_end[r],
+                    cached_tokens=int(self.cached_tokens[r]),
+                )
+            )
+            first += n
+        return out
+
+
+__all__ = ["PromptBatch", "RequestBatch"]

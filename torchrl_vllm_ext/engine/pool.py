@@ -1,0 +1,583 @@
+"""ReplicaPool: the replicas of one service, their lifecycle, and one way to call them.
+
+The pool owns the replica records (state as :class:`ReplicaState`), start / stop /
+restart / health checks, placement, and an immutable snapshot of the ready replicas
+(:meth:`ReplicaPool.ready`) that any thread may read. Every call to replicas goes
+through :meth:`ReplicaPool.call_each` (or :meth:`~ReplicaPool.call_all` /
+:meth:`~ReplicaPool.call`), which applies the one death policy:
+
+    a replica that dies during a call is recorded (:meth:`ReplicaPool.deaths`),
+    restarted in the background at the live weights, and reported to the caller as a
+    :class:`~torchrl_vllm_ext.errors.ReplicaDeadError` naming it; the other replicas'
+    answers are kept.
+
+Everything except the snapshot readers runs on the service's event loop. Generation,
+LoRA serving and the weight-sync transports are clients of the pool; a transport sees
+it through the narrow :class:`ReplicaFleet` protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Protocol
+
+import ray
+from tqdm.auto import tqdm
+
+from torchrl_vllm_ext.engine import cluster, placement
+from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS, actor_cause
+from torchrl_vllm_ext.engine.config import ServiceConfig
+from torchrl_vllm_ext.engine.replica import ReplicaSpec, VLLMReplica
+from torchrl_vllm_ext.errors import (
+    NoHealthyReplicaError,
+    ReplicaDeadError,
+    ReplicaStartupError,
+)
+from torchrl_vllm_ext.messages import ReplicaDeath, ReplicaInfo
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaState(enum.Enum):
+    """Where a replica is in its life: ``STARTING -> READY -> (DRAINING | DEAD -> STARTING)
+    -> STOPPED``."""
+
+    STARTING = "starting"
+    """Placed, engine starting, or being brought to the live weights and adapters."""
+    READY = "ready"
+    """Takes traffic."""
+    DRAINING = "draining"
+    """Takes no new work; stops once idle (``remove_replicas``)."""
+    DEAD = "dead"
+    """Noticed dead; a restart is under way."""
+    STOPPED = "stopped"
+    """Released."""
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """A started replica as the pool's clients see it (immutable: safe on any thread)."""
+
+    replica_id: int
+    """Stable id within the service (a restart keeps it)."""
+    handle: Any
+    """The Ray actor handle (:class:`~torchrl_vllm_ext.engine.replica.VLLMReplica`)."""
+    info: ReplicaInfo
+    """What the replica reported once its engine was up (pid, node, limits)."""
+
+    @property
+    def node(self) -> str:
+        """The Ray node IP the replica runs on."""
+        return self.info.node_ip
+
+
+@dataclass
+class Outcomes:
+    """One call per replica, every outcome by replica id (nothing stops at a failure)."""
+
+    results: dict[int, Any] = field(default_factory=dict)
+    """Replicas that answered, and what."""
+    errors: dict[int, BaseException] = field(default_factory=dict)
+    """Replicas whose call raised, with the replica-side exception (out of Ray's wrapper)."""
+    dead: dict[int, ReplicaDeadError] = field(default_factory=dict)
+    """Replicas that died meanwhile (recorded and being restarted by the pool)."""
+
+    def check(self, what: str) -> None:
+        """Raise the first replica's error, or :class:`ReplicaDeadError` when every
+        replica called died; return when the others answered."""
+        if self.errors:
+            raise next(iter(self.errors.values()))
+        if self.dead and not self.results:
+            raise ReplicaDeadError(
+                f"{what}: every replica called died ({sorted(self.dead)}); they are being "
+                "restarted, try again once they serve."
+            )
+
+
+class WeightsProvider(Protocol):
+    """What brings a (re)started replica to the live weights (a weight-sync scheme).
+
+    The pool holds at most one and awaits :meth:`bring_up` on its event loop before a
+    started replica takes traffic.
+    """
+
+    version: str | None
+    """The version the provider last pushed (None: nothing pushed yet)."""
+
+    async def bring_up(self, replica: ReplicaView) -> None:
+        """Load ``version`` into ``replica`` and label it."""
+
+
+class ReplicaFleet(Protocol):
+    """What a weight-sync transport sees of the service: the ready replicas and one way to
+    call them (with the pool's death policy)."""
+
+    @property
+    def uses_gpu(self) -> bool: ...
+
+    @property
+    def workers_per_replica(self) -> int: ...
+
+    def ready(self) -> tuple[ReplicaView, ...]: ...
+
+    async def call_all(
+        self,
+        method: str,
+        *args: Any,
+        replicas: Iterable[ReplicaView] | None = None,
+        timeout: float | None = None,
+    ) -> Outcomes: ...
+
+
+BringUpStep = Callable[[ReplicaView], Awaitable[Any]]
+
+
+@dataclass
+class _Record:
+    """A replica's mutable record (touched on the event loop only)."""
+
+    replica_id: int
+    pg: Any
+    node: str | None = None  # planned, then the node it reported
+    actor: Any = None
+    info: ReplicaInfo | None = None
+    state: ReplicaState = ReplicaState.STARTING
+    inflight: int = 0
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    owned: bool = True  # started by the pool, which stops it (see ReplicaPool.adopt)
+
+    def view(self) -> ReplicaView:
+        return ReplicaView(self.replica_id, self.actor, self.info)
+
+
+class ReplicaPool:
+    """The replicas of one service: lifecycle, snapshot, fan-out, death policy.
+
+    Args:
+        config: the service's configuration.
+        name: prefix of the replicas' Ray names.
+
+    Examples:
+        >>> from torchrl_vllm_ext.testing import make_tiny_model
+        >>> pool = ReplicaPool(ServiceConfig(model=make_tiny_model()), "svc")
+        >>> pool.ready(), dict(pool.states()), pool.weight_version
+        ((), {}, '0')
+    """
+
+    def __init__(self, config: ServiceConfig, name: str):
+        self.config = config
+        self.name = name
+        self._records: dict[int, _Record] = {}
+        self._ready: tuple[ReplicaView, ...] = ()
+        self._states: Mapping[int, ReplicaState] = MappingProxyType({})
+        self._ids = itertools.count()
+        self._res: cluster.ReplicaResources | None = None
+        self._driver_ip: str | None = None
+        self._limits: ReplicaInfo | None = None
+        self._deaths: deque[ReplicaDeath] = deque(maxlen=1000)
+        self._death_listeners: list[Callable[[int], None]] = []
+        self._bring_up_steps: list[BringUpStep] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._restarting: set[int] = set()  # ids between their death and their restart
+        self._closed = False
+        self.weight_version = str(config.weight_version)
+        """The weights every replica serves, and restarted replicas are brought to."""
+        self.provider: WeightsProvider | None = None
+        """Brings started replicas to the live weights (the scheme that pushed last)."""
+        self.paused: tuple[str, bool] | None = None
+        """``(mode, clear_cache)`` while the service is paused: a restarted replica is
+        paused the same way before it counts as ready."""
+
+    # ------------------------------------------------------------------ snapshot (any thread)
+    def ready(self) -> tuple[ReplicaView, ...]:
+        """The ready replicas, by id; an immutable snapshot any thread may read."""
+        return self._ready
+
+    def states(self) -> Mapping[int, ReplicaState]:
+        """Every replica the pool holds and its state; an immutable snapshot."""
+        return self._states
+
+    def view(self, replica_id: int) -> ReplicaView:
+        """The ready replica ``replica_id``; :class:`ReplicaDeadError` if it is not ready."""
+        for view in self._ready:
+            if view.replica_id == replica_id:
+                return view
+        state = self._states.get(replica_id)
+        raise ReplicaDeadError(
+            f"replica {replica_id} is not ready (state: "
+            f"{state.value if state else 'unknown'}); ready replicas: "
+            f"{[v.replica_id for v in self._ready]}."
+        )
+
+    def deaths(self) -> list[ReplicaDeath]:
+        """Every replica death the pool noticed, oldest first (each is then restarted)."""
+        return list(self._deaths)
+
+    @property
+    def limits(self) -> ReplicaInfo | None:
+        """The first replica's limits (every replica serves the same model)."""
+        return self._limits
+
+    @property
+    def uses_gpu(self) -> bool:
+        return bool(self._res and self._res.use_gpu)
+
+    @property
+    def workers_per_replica(self) -> int:
+        return self.config.tensor_parallel_size * self.config.pipeline_parallel_size
+
+    @property
+    def driver_ip(self) -> str | None:
+        """The Ray node of the process that owns the service."""
+        return self._driver_ip
+
+    # ------------------------------------------------------------------ hooks
+    def on_death(self, listener: Callable[[int], None]) -> None:
+        """Call ``listener(replica_id)`` (on the loop) whenever a replica is noticed dead."""
+        self._death_listeners.append(listener)
+
+    def before_traffic(self, step: BringUpStep) -> None:
+        """Await ``step(replica)`` on every started replica before it takes traffic (after
+        its engine is up, before the weights provider)."""
+        self._bring_up_steps.append(step)
+
+    # ------------------------------------------------------------------ start
+    async def open(self) -> None:
+        """Plan what each replica reserves; call once, after Ray is connected."""
+        self._res = cluster.plan_resources(self.config)
+        self._driver_ip = ray.util.get_node_ip_address()
+
+    async def start(self, count: int, desc: str) -> list[int]:
+        """Start ``count`` replicas at once (a progress bar); their ids once all serve."""
+        cluster.check_capacity(self._res, count, available=True)
+        nodes = self._plan_nodes(count)
+        ids = [next(self._ids) for _ in range(count)]
+        jobs = [
+            asyncio.ensure_future(self._start_replica(rid, node))
+            for rid, node in zip(ids, nodes, strict=True)
+        ]
+        try:
+            with tqdm(total=count, desc=desc, unit="replica") as bar:
+                for job in asyncio.as_completed(jobs):
+                    await job
+                    bar.update(1)
+        except BaseException:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+            raise
+        return ids
+
+    def _plan_nodes(self, count: int, avoid: frozenset[str] = frozenset()) -> list[str | None]:
+        """The node of each of ``count`` new replicas, by the configured placement."""
+        if self.config.placement == "any":
+            return [None] * count
+        gone = (ReplicaState.DEAD, ReplicaState.STOPPED)
+        ours = Counter(r.node for r in self._records.values() if r.node and r.state not in gone)
+        return placement.plan(
+            self.config.placement, count, self._res.need(), cluster.live_nodes(), ours, avoid
+        )
+
+    def _spec(self, rid: int) -> ReplicaSpec:
+        cfg, res = self.config, self._res
+        return ReplicaSpec(
+            replica_id=rid,
+            model=cfg.model,
+            engine_kwargs=cluster.engine_kwargs(res, cfg),
+            weight_version=self.weight_version,
+            env=cluster.process_env(res, cfg),
+            in_process=cluster.in_process_engine(res, cfg),
+            actor_extension=cfg.actor_extension_cls,
+            log_file=cfg.log_file,
+        )
+
+    async def _start_replica(self, rid: int, node: str | None) -> None:
+        cfg = self.config
+        name = f"{self.name}-r{rid}-{uuid.uuid4().hex[:4]}"
+        pg = await cluster.reserve(self._res, name, timeout=cfg.placement_timeout, node_ip=node)
+        rec = _Record(replica_id=rid, pg=pg, node=node)
+        rec.idle.set()
+        self._records[rid] = rec  # registered first, so close() finds it whatever happens
+        self._publish()
+        rec.actor = (
+            ray.remote(VLLMReplica)
+            .options(**cluster.actor_options(self._res, name, pg))
+            .remote(self._spec(rid))
+        )
+        try:
+            rec.info = await asyncio.wait_for(rec.actor.start.remote(), cfg.startup_timeout)
+        except ray.exceptions.RayTaskError as e:
+            cause = actor_cause(e)
+            if isinstance(cause, ReplicaStartupError):
+                raise cause from None  # the engine's own message, not Ray's traceback
+            raise
+        rec.node = rec.info.node_ip
+        if self._limits is None:
+            self._limits = rec.info
+        view = rec.view()
+        for step in self._bring_up_steps:  # adapters, before it takes traffic
+            await step(view)
+        # A started replica serves the checkpoint: bring it to the live weights first
+        # (it was created with the live label).
+        provider = self.provider
+        if provider is not None and provider.version is not None:
+            await provider.bring_up(view)
+        if self.paused is not None:
+            await rec.actor.pause.remote(*self.paused)
+        self._set_state(rec, ReplicaState.READY)
+
+    def set_provider(self, provider: WeightsProvider | None) -> None:
+        """Make ``provider`` bring started replicas to the live weights (None: nobody)."""
+        self.provider = provider
+        if provider is not None and provider.version is not None:
+            self.weight_version = str(provider.version)
+
+    def adopt(self, replica: ReplicaView) -> None:
+        """Serve an actor started elsewhere as a ready replica.
+
+        The pool does not own it: :meth:`close` forgets it without stopping it, and if it
+        dies the pool starts a replica of its own in its place. The seam for stand-in
+        actors in unit tests, and for actors a caller manages itself.
+        """
+        rec = _Record(replica.replica_id, pg=None, node=replica.node, owned=False)
+        rec.actor, rec.info = replica.handle, replica.info
+        rec.idle.set()
+        self._records[replica.replica_id] = rec
+        self._ids = itertools.count(max(self._records) + 1)
+        if self._limits is None:
+            self._limits = replica.info
+        self._set_state(rec, ReplicaState.READY)
+
+    # ------------------------------------------------------------------ stop
+    async def _stop(self, rec: _Record, graceful: bool = True) -> None:
+        if not rec.owned:
+            rec.actor = None
+        if rec.actor is not None and graceful:
+            # A graceful engine shutdown also ends vLLM's child processes.
+            try:
+                await asyncio.wait_for(rec.actor.shutdown.remote(), self.config.shutdown_timeout)
+            except (TimeoutError, *DEATH_ERRORS) as e:
+                logger.info(
+                    "replica %d did not shut down gracefully (%s); killing it", rec.replica_id, e
+                )
+        if rec.actor is not None:
+            ray.kill(rec.actor, no_restart=True)
+        cluster.release(rec.pg)
+        rec.state = ReplicaState.STOPPED
+        if self._records.get(rec.replica_id) is rec:
+            del self._records[rec.replica_id]
+        self._publish()
+
+    async def remove(self, k: int, drain_timeout: float) -> list[int]:
+        """Drain ``k`` ready replicas (fewest in flight first), then stop them."""
+        victims = sorted(
+            (self._records[v.replica_id] for v in self._ready),
+            key=lambda r: (r.inflight, -r.replica_id),
+        )[:k]
+        for rec in victims:
+            self._set_state(rec, ReplicaState.DRAINING)
+        await asyncio.wait_for(asyncio.gather(*(r.idle.wait() for r in victims)), drain_timeout)
+        await asyncio.gather(*(self._stop(r) for r in victims))
+        return [r.replica_id for r in victims]
+
+    async def close(self) -> None:
+        """Stop the background work and every replica."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(self._stop(rec) for rec in list(self._records.values())))
+
+    # ------------------------------------------------------------------ calls
+    async def call_each(
+        self,
+        call: Callable[[ReplicaView], Awaitable[Any]],
+        replicas: Iterable[ReplicaView] | None = None,
+        what: str = "call",
+        timeout: float | None = None,
+    ) -> Outcomes:
+        """Await ``call(replica)`` on every ready replica (or ``replicas``) at once;
+        every outcome, with the death policy applied."""
+        targets = self._ready if replicas is None else tuple(replicas)
+
+        async def one(view: ReplicaView):
+            return await asyncio.wait_for(call(view), timeout)
+
+        answers = await asyncio.gather(*(one(v) for v in targets), return_exceptions=True)
+        out = Outcomes()
+        for view, answer in zip(targets, answers, strict=True):
+            if isinstance(answer, DEATH_ERRORS):
+                out.dead[view.replica_id] = self._died(view, answer, what)
+            elif isinstance(answer, BaseException):
+                out.errors[view.replica_id] = actor_cause(answer)
+            else:
+                out.results[view.replica_id] = answer
+        return out
+
+    async def call_all(
+        self,
+        method: str,
+        *args: Any,
+        replicas: Iterable[ReplicaView] | None = None,
+        timeout: float | None = None,
+    ) -> Outcomes:
+        """The replica actor's ``method(*args)`` on every ready replica (or ``replicas``)."""
+        return await self.call_each(
+            lambda v: getattr(v.handle, method).remote(*args), replicas, method, timeout
+        )
+
+    async def call(self, replica: ReplicaView, method: str, *args: Any) -> Any:
+        """``method(*args)`` on one replica: its answer, the replica-side exception, or
+        :class:`ReplicaDeadError` if it died (recorded and being restarted)."""
+        try:
+            return await getattr(replica.handle, method).remote(*args)
+        except DEATH_ERRORS as e:
+            raise self._died(replica, e, method) from e
+        except ray.exceptions.RayTaskError as e:
+            raise actor_cause(e) from None
+
+    @contextlib.asynccontextmanager
+    async def lease(self, replica_id: int, n: int) -> AsyncIterator[None]:
+        """Count ``n`` requests in flight on a replica while the block runs (load-aware
+        routing reads the count; draining waits for it to reach zero)."""
+        rec = self._records.get(replica_id)
+        if rec is None:
+            raise ReplicaDeadError(f"replica {replica_id} was stopped; it takes no requests.")
+        rec.inflight += n
+        rec.idle.clear()
+        try:
+            yield
+        finally:
+            rec.inflight -= n
+            if rec.inflight == 0:
+                rec.idle.set()
+
+    def inflight(self, replica_id: int) -> int:
+        rec = self._records.get(replica_id)
+        return rec.inflight if rec is not None else 0
+
+    async def wait_ready(self) -> tuple[ReplicaView, ...]:
+        """The ready replicas; waits for one being (re)started when none is ready."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.startup_timeout
+        while True:
+            if self._ready:
+                return self._ready
+            starting = ReplicaState.STARTING in self._states.values() or self._restarting
+            if self._closed or not starting or loop.time() > deadline:
+                raise NoHealthyReplicaError(
+                    f"service {self.name} has no ready replica (states: "
+                    f"{ {rid: s.value for rid, s in self._states.items()} }); add replicas "
+                    "with add_replicas() or check the replicas' logs."
+                )
+            await asyncio.sleep(self.config.ready_poll_interval)
+
+    # ------------------------------------------------------------------ the death policy
+    def _died(self, view: ReplicaView, error: BaseException, what: str) -> ReplicaDeadError:
+        """Record the death of ``view``'s replica (once), restart it, and return the
+        caller's error."""
+        rid = view.replica_id
+        cause = f"{type(error).__name__}: {error}"
+        rec = self._records.get(rid)
+        alive = (ReplicaState.READY, ReplicaState.DRAINING)
+        # A view taken before a restart names the old actor: its death is old news.
+        if rec is not None and rec.actor is view.handle and rec.state in alive:
+            draining = rec.state is ReplicaState.DRAINING
+            self._set_state(rec, ReplicaState.DEAD)
+            for listener in self._death_listeners:
+                listener(rid)
+            self._deaths.append(ReplicaDeath(rid, rec.node, time.time(), cause))
+            logger.warning("replica %d on node %s died during %s (%s)", rid, rec.node, what, cause)
+            if not draining and not self._closed:
+                self._restarting.add(rid)
+                self._spawn(self._restart(rec))
+        return ReplicaDeadError(
+            f"replica {rid} died during {what} ({cause}); it is restarted at weight version "
+            f"{self.weight_version}."
+        )
+
+    async def _restart(self, rec: _Record) -> None:
+        try:
+            await self._stop(rec, graceful=False)
+            await self._start_again(rec)
+        finally:
+            self._restarting.discard(rec.replica_id)
+
+    async def _start_again(self, rec: _Record) -> None:
+        attempts = self.config.restart_attempts
+        for attempt in range(attempts):
+            try:
+                # Elsewhere first: if its node is lost, Ray may not know it for seconds.
+                avoid = frozenset({rec.node} if rec.node else ())
+                await self._start_replica(rec.replica_id, self._plan_nodes(1, avoid)[0])
+                logger.info("replica %d restarted", rec.replica_id)
+                return
+            except Exception as e:
+                logger.error(
+                    "restart of replica %d failed (try %d): %s", rec.replica_id, attempt + 1, e
+                )
+                failed = self._records.get(rec.replica_id)
+                if failed is not None:
+                    await self._stop(failed, graceful=False)
+                if isinstance(e, ReplicaStartupError):
+                    # vLLM itself refused (model, arguments, kernels): the same start
+                    # fails the same way again, so it is not retried.
+                    break
+                await asyncio.sleep(self.config.restart_backoff * (attempt + 1))
+        logger.error("replica %d is gone for good: it did not restart", rec.replica_id)
+
+    # ------------------------------------------------------------------ health
+    def start_health_checks(self) -> None:
+        if self.config.health_check_interval > 0:
+            self._spawn(self._health_loop())
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval)
+            await self.check_health()
+
+    async def check_health(self) -> dict[int, bool]:
+        """Ping every ready replica; the dead are restarted. ``{replica_id: healthy}``."""
+        out = await self.call_all("check_health", timeout=self.config.health_check_timeout)
+        for rid, error in out.errors.items():
+            logger.warning("health check of replica %d failed: %r", rid, error)
+        return {
+            rid: out.results.get(rid) is True
+            for rid in sorted({*out.results, *out.errors, *out.dead})
+        }
+
+    # ------------------------------------------------------------------ internals
+    def _set_state(self, rec: _Record, state: ReplicaState) -> None:
+        rec.state = state
+        self._publish()
+
+    def _publish(self) -> None:
+        """Replace the snapshots (one assignment each: readers see the old or the new)."""
+        recs = sorted(self._records.values(), key=lambda r: r.replica_id)
+        self._ready = tuple(r.view() for r in recs if r.state is ReplicaState.READY)
+        self._states = MappingProxyType({r.replica_id: r.state for r in recs})
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+__all__ = [
+    "Outcomes",
+    "ReplicaFleet",
+    "ReplicaPool",
+    "ReplicaState",
+    "ReplicaView",
+    "WeightsProvider",
+]

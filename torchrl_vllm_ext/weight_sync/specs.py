@@ -1,0 +1,99 @@
+"""The weight-sync wire specs (plain data) and their JSON form.
+
+A broadcast update sends one :class:`UpdateHeader` (buckets of :class:`TensorSpec`s) to
+every worker; a storage slot is published with a :class:`SlotManifest`. Both cross
+processes as JSON, encoded and decoded (with type checks) by :func:`to_json` and
+:func:`from_json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter as it travels: Hugging Face name, dtype, shape and checksum."""
+
+    name: str
+    """Hugging Face parameter name (e.g. ``model.layers.0.mlp.up_proj.weight``)."""
+    dtype: str
+    """torch dtype name without the ``torch.`` prefix (``float32``, ``bfloat16``, ...)."""
+    shape: tuple[int, ...]
+    """Full (unsharded) shape."""
+    checksum: int = 0
+    """Sum of the tensor's bytes read as uint64 words, mod 2**64 (see weight_sync.checksum)."""
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """A packed bucket of the broadcast transport: same-dtype tensors laid end to end."""
+
+    dtype: str
+    """dtype of every tensor in the bucket."""
+    tensors: tuple[TensorSpec, ...]
+    """The tensors, in the order they are packed."""
+    nbytes: int
+    """Size of the packed buffer."""
+    checksum: int
+    """Checksum of the packed buffer."""
+
+
+@dataclass(frozen=True)
+class UpdateHeader:
+    """The one control message of a broadcast update; buckets follow as collectives."""
+
+    version: str
+    """Weight version the update installs."""
+    buckets: tuple[BucketSpec, ...]
+    """Bucket layout, in broadcast order."""
+
+
+@dataclass(frozen=True)
+class SlotManifest:
+    """What a published storage slot holds; written atomically as ``current.json``."""
+
+    version: str
+    """Weight version in the slot."""
+    slot: str
+    """Slot directory name ("A" or "B")."""
+    tensors: tuple[TensorSpec, ...]
+    """Every tensor of the slot, with its checksum."""
+
+
+def to_json(spec) -> str:
+    """The JSON text of a spec.
+
+    Examples:
+        >>> from_json(to_json(TensorSpec("w", "float32", (2, 3), 7)), TensorSpec)
+        TensorSpec(name='w', dtype='float32', shape=(2, 3), checksum=7)
+    """
+    return msgspec.json.encode(spec).decode()
+
+
+def from_json(text: str | bytes, cls: type[T]) -> T:
+    """The ``cls`` spec ``text`` encodes; a ``ValueError`` (msgspec's ``DecodeError``) naming
+    the bad field when it is not one.
+
+    Examples:
+        >>> from_json('{"version": "3", "slot": "A"}', SlotManifest)
+        Traceback (most recent call last):
+        ...
+        msgspec.ValidationError: Object missing required field `tensors`
+    """
+    return msgspec.json.decode(text, type=cls)
+
+
+__all__ = [
+    "BucketSpec",
+    "SlotManifest",
+    "TensorSpec",
+    "UpdateHeader",
+    "from_json",
+    "to_json",
+]
