@@ -96,3 +96,24 @@ def test_health_check_and_bad_pause_mode(service):
     assert service.check_health() == {rid: True for rid in service.replica_ids}
     with pytest.raises(ConfigurationError, match="'freeze'"):
         service.pause("freeze")
+
+
+def test_a_new_label_keeps_the_prefix_cache_and_new_weights_drop_it(service):
+    # An adapter push only relabels the replicas (AdapterSync -> set_weight_version): the
+    # base model's cached prefixes stay valid. A weight load drops them.
+    long = [list(range(5, 205))] * service.num_replicas  # > one 128-token CPU block each
+
+    def cached() -> list[int]:
+        data = service.generate_request_data(long, {"max_tokens": 1}, routing="round_robin")
+        assert {d.replica_id for d in data} == set(service.replica_ids)
+        return [d.cached_tokens for d in data]
+
+    cached()  # fills every replica's cache
+    assert min(cached()) >= 128
+    service.set_weight_version("relabelled")
+    try:
+        assert min(cached()) >= 128, "a label alone keeps the prefix cache"
+        service.reset_prefix_cache()  # what every weight load does
+        assert max(cached()) == 0, "cached with other weights: never served"
+    finally:
+        service.set_weight_version("0")

@@ -67,8 +67,8 @@ def write_and_die(root: str, version: int, point: str | None) -> None:
             return real(t)
 
         storage.checksum = checksum
-    if point == "after_fill":  # every tensor in the slot, no manifest yet
-        storage.SlotManifest = lambda *a, **k: _die()
+    if point == "after_fill":  # every tensor in the slot, nothing published yet
+        storage.SlotWriter.publish = lambda self, manifest: _die()
     if point == "manifest_fsync":
         storage.os.fsync = lambda fd: _die()
     if point in ("before_rename", "after_rename"):
