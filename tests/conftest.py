@@ -27,6 +27,11 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The loopback-cluster tier must be the first Ray session of the process: after a
+    # local Ray session, this driver can no longer start actors on another cluster
+    # (they are cancelled before they run). Whatever order files are given in, it runs
+    # first; every other tier starts and stops its own local Ray.
+    items.sort(key=lambda item: "/cluster/" not in str(item.fspath))
     run_slow = config.getoption("--runslow")
     cuda = _has_cuda()
     for item in items:
@@ -57,18 +62,3 @@ def hf_model(tiny_model):
 def trainer(hf_model):
     """A trainer-side copy of the tiny model a test module may perturb and push."""
     return copy.deepcopy(hf_model)
-
-
-@pytest.fixture(scope="package")
-def ray_cluster():
-    """Ray through the package's own start-up (loopback only), one per test directory, so
-    each tier runs alone or in any order (tests/cluster needs a process without Ray).
-    Logical CPUs beyond the 2 physical cores let fractional replicas scale in tests."""
-    import ray
-
-    from torchrl_vllm_ext.engine import cluster
-
-    owns = cluster.ensure_ray(num_cpus=4)
-    yield
-    if owns:
-        ray.shutdown()

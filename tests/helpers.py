@@ -38,6 +38,21 @@ ON_WORKERS = {"rollout": 0.01}
 LORA_KWARGS = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 
 
+def local_ray():
+    """Ray through the package's own start-up (loopback only) for one test directory: each
+    tier's conftest yields it from a package-scoped ``ray_cluster`` fixture, so tiers run
+    alone or in any order (tests/cluster needs a process without Ray). Logical CPUs
+    beyond the 2 physical cores let fractional replicas scale in tests."""
+    import ray
+
+    from torchrl_vllm_ext.engine import cluster
+
+    owns = cluster.ensure_ray(num_cpus=4)
+    yield
+    if owns:
+        ray.shutdown()
+
+
 def launch(model, num_replicas: int = NUM_REPLICAS, **kwargs) -> VLLMService:
     """A service with the tests' engine settings (fp32, small KV cache, fractional CPUs)."""
     options = {"cpus_per_replica": CPUS_PER_REPLICA, **kwargs}

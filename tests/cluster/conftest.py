@@ -3,9 +3,9 @@
 The head (the driver's node, 127.0.0.4) has no ``rollout`` resource; two worker nodes
 (127.0.0.2, 127.0.0.3) have 2 CPUs and ``rollout`` each, so replicas that ask for
 ``rollout`` go to worker nodes only, and the driver (the trainer) is on another node
-than every replica. The driver process can hold one Ray connection: the other tiers'
-local Ray is per directory (``ray_cluster`` in tests/conftest.py) and gone before this
-one starts, whatever the order.
+than every replica. It must be the process's first Ray session (a driver that had a
+local Ray cannot start actors on another cluster), so tests/conftest.py runs this tier
+first whatever order the files are given in.
 """
 
 from __future__ import annotations

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from ..helpers import launch
+from ..helpers import launch, local_ray
 
 
 # Package scope: the engines are gone before another tier launches its own.
+@pytest.fixture(scope="package")
+def ray_cluster():
+    yield from local_ray()
+
+
 @pytest.fixture(scope="package")
 def service(tiny_model, ray_cluster):
     svc = launch(tiny_model, health_check_interval=2.0)

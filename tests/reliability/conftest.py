@@ -11,7 +11,12 @@ import pytest
 
 from torchrl_vllm_ext import WeightSyncScheme
 
-from ..helpers import launch
+from ..helpers import launch, local_ray
+
+
+@pytest.fixture(scope="package")
+def ray_cluster():
+    yield from local_ray()
 
 
 @pytest.fixture(scope="package")
