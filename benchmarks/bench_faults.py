@@ -107,7 +107,9 @@ def kill_and_time(svc, rng: random.Random) -> float | None:
     target = engine if engine is not None and rng.random() < 0.5 else actor
     os.kill(target, signal.SIGKILL)
     t0 = time.monotonic()
-    back = wait_for(lambda: rid in svc.replica_ids and svc.replica_info(rid).pid != actor, 600)
+    back = wait_for(
+        lambda: any(r.replica_id == rid and r.info.pid != actor for r in svc.replicas()), 600
+    )
     return time.monotonic() - t0 if back else None
 
 

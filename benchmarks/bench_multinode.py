@@ -63,7 +63,7 @@ def node_loss(svc, cluster, victim_ip: str, prompts: int, tokens: int) -> dict:
             time.sleep(0.05)
         lost_at = time.perf_counter()
         cluster.kill_raylet(victim_ip)
-        while not (victim in svc.replica_ids and svc.replica_info(victim).node_ip != victim_ip):
+        while not (any(r.replica_id == victim and r.node != victim_ip for r in svc.replicas())):
             time.sleep(0.1)
         back = time.perf_counter() - lost_at
         data = fut.result(timeout=600)

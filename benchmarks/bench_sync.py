@@ -57,13 +57,13 @@ def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
     from torchrl_vllm_ext.weight_sync.specs import to_json
 
     transport = scheme.transport_impl
-    replicas = scheme._replicas()
+    replicas = list(scheme.service.replicas())
     scheme.service.run(transport._ensure_group(replicas))
     for name, t in tensors.items():
         header, buffers = pack({name: t}, "per-param")
         refs = [
-            h.collective_rpc.remote(WorkerMethods.RECEIVE_BROADCAST, (to_json(header),))
-            for _, h in replicas
+            r.handle.collective_rpc.remote(WorkerMethods.RECEIVE_BROADCAST, (to_json(header),))
+            for r in replicas
         ]
         transport.group.send(buffers)
         ray.get(refs)

@@ -200,7 +200,7 @@ def kill_replica(service, rid: int, rng: random.Random) -> tuple[int, str]:
 
 def wait_restarted(service, rid: int, old_pid: int) -> None:
     wait_until(
-        lambda: rid in service.replica_ids and service.replica_info(rid).pid != old_pid,
+        lambda: any(r.replica_id == rid and r.info.pid != old_pid for r in service.replicas()),
         RESTART_TIMEOUT,
         interval=0.2,
         what=f"replica {rid} to restart",

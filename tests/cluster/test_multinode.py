@@ -166,7 +166,7 @@ def test_node_loss_mid_batch_loses_nothing_and_new_replicas_serve_the_current_ve
     assert any(d.replica_id == victim and d.node_ip == victim_ip for d in svc.deaths())
 
     def back():
-        return victim in svc.replica_ids and svc.replica_info(victim).node_ip != victim_ip
+        return any(r.replica_id == victim and r.node != victim_ip for r in svc.replicas())
 
     wait_until(back, timeout=240, interval=0.2, what="the lost replica restarted elsewhere")
     serving_again = time.perf_counter() - lost_at

@@ -44,7 +44,7 @@ def test_sigkill_during_a_batch_loses_nothing_and_replica_restarts(service):
     )
 
     def restarted():
-        return victim in service.replica_ids and service.replica_info(victim).pid != old_pid
+        return any(r.replica_id == victim and r.info.pid != old_pid for r in service.replicas())
 
     wait_until(restarted, timeout=300, interval=1.0, what="the killed replica to restart")
     assert service.weight_versions()[victim] == "7", (

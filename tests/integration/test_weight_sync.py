@@ -121,7 +121,7 @@ def test_restarted_replica_is_brought_to_current_weights(service, trainer, schem
     old_pid = service.replica_info(victim).pid
     os.kill(old_pid, signal.SIGKILL)
     wait_until(
-        lambda: victim in service.replica_ids and service.replica_info(victim).pid != old_pid,
+        lambda: any(r.replica_id == victim and r.info.pid != old_pid for r in service.replicas()),
         timeout=300,
         interval=1.0,
         what="the killed replica to restart",

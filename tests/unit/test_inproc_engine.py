@@ -90,9 +90,7 @@ def run(coro_fn, engine=None):
     fake = engine or FakeEngine()
 
     async def main():
-        inproc = InprocEngine(asyncio.get_running_loop())
-        inproc._engine = fake
-        inproc._thread.start()
+        inproc = InprocEngine.driving(fake, asyncio.get_running_loop())
         try:
             return await asyncio.wait_for(coro_fn(inproc, fake), 30)
         finally:

@@ -72,6 +72,15 @@ class InprocEngine(Engine):
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     @classmethod
+    def driving(cls, engine, loop: asyncio.AbstractEventLoop) -> InprocEngine:
+        """Drive an already built ``LLMEngine`` (or a stand-in with its methods: the seam
+        unit tests use), stepping it on a thread of its own; results come back to ``loop``."""
+        self = cls(loop)
+        self._engine = engine
+        self._thread.start()
+        return self
+
+    @classmethod
     async def start(cls, engine_args) -> InprocEngine:
         self = cls(asyncio.get_running_loop())
         self._thread.start()

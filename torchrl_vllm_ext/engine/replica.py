@@ -200,7 +200,7 @@ class VLLMReplica:
         :class:`GenerationTimeoutError` is raised.
         """
         engine = self._require_engine()
-        prompts = requests.prompts()
+        prompts = requests.token_lists()
         request_ids = requests.request_ids()
         if isinstance(sampling_params, list | tuple):
             params = list(sampling_params)
@@ -212,7 +212,7 @@ class VLLMReplica:
         self._outstanding += len(prompts)
         self._inflight.update(request_ids)
         salt = f"e{self._cache_epoch}"
-        inputs = [{"prompt_token_ids": p.tolist(), "cache_salt": salt} for p in prompts]
+        inputs = [{"prompt_token_ids": p, "cache_salt": salt} for p in prompts]
         lora = lora_request(adapter.name, adapter.lora_id, adapter.path) if adapter else None
         task = asyncio.create_task(engine.generate(inputs, params, request_ids, lora))
         try:
