@@ -22,11 +22,11 @@ from torchrl_vllm_ext.errors import TorchRLVLLMError
 
 from ..helpers import (
     LORA_KWARGS,
-    RESTART_TIMEOUT,
     assert_replicas_match,
     launch,
     make_adapter,
     perturb,
+    wait_restarted,
     wait_until,
 )
 
@@ -53,16 +53,6 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
-
-def back(service, rid: int, old_pid: int) -> None:
-    """Wait (without sending any request) until ``rid`` serves again in a new process."""
-    wait_until(
-        lambda: any(v.replica_id == rid and v.info.pid != old_pid for v in service.replicas()),
-        RESTART_TIMEOUT,
-        interval=0.2,
-        what=f"replica {rid} to restart by itself",
-    )
 
 
 def outcome(fn):
@@ -118,7 +108,7 @@ def test_stats_notices_a_death_while_four_threads_read_the_accessors(quiet_servi
             assert [s.replica_id for s in stats] == [r for r in svc.replica_ids if r != rid]
         # Noticed by stats() or by a reader's weight_versions(): a call, not a health check.
         assert [d.replica_id for d in svc.deaths()][-1:] == [rid]
-        back(svc, rid, pid)
+        wait_restarted(svc, rid, pid)
     assert not hammer.errors, hammer.errors[:3]
     assert hammer.reads > 0
     assert svc.weight_versions()[rid] == svc.weight_version
@@ -130,7 +120,7 @@ def test_pause_succeeds_on_the_others_and_the_dead_replica_restarts(quiet_servic
     paused = outcome(lambda: svc.pause("abort"))
     outcome(svc.resume)
     assert not isinstance(paused, Exception) or "died" in str(paused)
-    back(svc, rid, pid)
+    wait_restarted(svc, rid, pid)
     assert all(not s.paused for s in svc.stats()), "every replica serves after resume()"
 
 
@@ -144,7 +134,7 @@ def test_a_push_during_a_death_completes_on_the_others_and_the_restart_gets_it(
         report = outcome(lambda: scheme.push(trainer, version=3))
         if not isinstance(report, Exception):
             assert rid not in report.pause_s, "the dead replica took no part"
-        back(svc, rid, pid)
+        wait_restarted(svc, rid, pid)
         assert assert_replicas_match(svc, trainer, "3") < 1e-4, "the restart loaded version 3"
 
 
@@ -157,7 +147,7 @@ def test_a_lora_add_during_a_death_reaches_the_restarted_replica(
     lora_id = outcome(lambda: svc.add_lora("a", tmp_path / "a"))
     if isinstance(lora_id, Exception):
         lora_id = svc.add_lora("a", tmp_path / "a")  # on the survivor, now noticed dead
-    back(svc, rid, pid)
+    wait_restarted(svc, rid, pid)
     loaded = svc.run(svc.pool.call_all("list_loras"))
     assert all(lora_id in ids for ids in loaded.results.values()), loaded
     assert set(loaded.results) == set(svc.replica_ids)
