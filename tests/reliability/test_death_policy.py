@@ -4,7 +4,9 @@ A replica is SIGKILLed and the next call that reaches it (a push, ``pause()``,
 ``stats()``, ``add_lora``) is the first to notice: health checks are off and no batch is
 sent, so only that call's fan-out can record the death and restart the replica. Each
 call must return a typed error or succeed on the other replica, and the killed replica
-must come back at the live weights by itself. Meanwhile 4 threads read the service's
+must come back at the live weights by itself. (``sleep()`` is refused on CPU before any
+replica is called; ``wake_up()`` reaches every replica through the same fan-out, and each
+live CPU engine refuses it, so it stands in for the sleep family here; tests/gpu sleeps.) Meanwhile 4 threads read the service's
 sync accessors, which must never raise.
 """
 
@@ -122,6 +124,16 @@ def test_pause_succeeds_on_the_others_and_the_dead_replica_restarts(quiet_servic
     assert not isinstance(paused, Exception) or "died" in str(paused)
     wait_restarted(svc, rid, pid)
     assert all(not s.paused for s in svc.stats()), "every replica serves after resume()"
+
+
+def test_wake_up_during_a_death_is_a_typed_error_and_the_replica_restarts(quiet_service):
+    svc = quiet_service
+    rid, pid = kill(svc)
+    woke = outcome(svc.wake_up)
+    assert isinstance(woke, TorchRLVLLMError), "vLLM-CPU replicas have no sleep mode"
+    assert [d.replica_id for d in svc.deaths()][-1:] == [rid], "noticed by wake_up()"
+    wait_restarted(svc, rid, pid)
+    assert svc.weight_versions()[rid] == svc.weight_version
 
 
 def test_a_push_during_a_death_completes_on_the_others_and_the_restart_gets_it(

@@ -54,28 +54,47 @@ def normalize_prompts(prompt_token_ids: Any) -> list[np.ndarray]:
     return out
 
 
+def out_of_vocabulary(prompts: Sequence[np.ndarray], max_token_id: int) -> tuple[int, int] | None:
+    """``(row, id)`` of the first token id outside ``[0, max_token_id]``, or None; one
+    vectorised pass over the whole batch (the policy and the service both ask).
+
+    Examples:
+        >>> out_of_vocabulary([np.array([1, 2]), np.array([3, 700, 4])], 511)
+        (1, 700)
+    """
+    flat = np.concatenate(prompts)
+    bad = (flat < 0) | (flat > max_token_id)
+    if not bad.any():
+        return None
+    pos = int(np.argmax(bad))
+    ends = np.cumsum([p.size for p in prompts])
+    return int(np.searchsorted(ends, pos, side="right")), int(flat[pos])
+
+
 def check_prompts(prompts: Sequence[np.ndarray], max_token_id: int, max_model_len: int) -> None:
     """Reject empty prompts, out-of-vocabulary ids and prompts the engine cannot extend."""
     if not prompts:
         raise InvalidRequestError("the batch is empty; pass at least one prompt.")
-    for i, p in enumerate(prompts):
-        if p.size == 0:
-            raise InvalidRequestError(
-                f"prompt {i} is empty; every prompt needs at least one token (e.g. a BOS token)."
-            )
-        lo, hi = int(p.min()), int(p.max())
-        if lo < 0 or hi > max_token_id:
-            bad = lo if lo < 0 else hi
-            raise InvalidRequestError(
-                f"prompt {i} contains token id {bad}, outside the vocabulary [0, {max_token_id}]; "
-                "check the tokenizer matches the served model."
-            )
-        if p.size >= max_model_len:
-            raise InvalidRequestError(
-                f"prompt {i} has {p.size} tokens but max_model_len is {max_model_len}, which must "
-                "exceed the prompt by at least one generated token; truncate the prompt or launch "
-                "with a larger max_model_len."
-            )
+    lengths = np.fromiter((p.size for p in prompts), dtype=np.int64, count=len(prompts))
+    if (lengths == 0).any():
+        i = int(np.argmin(lengths))
+        raise InvalidRequestError(
+            f"prompt {i} is empty; every prompt needs at least one token (e.g. a BOS token)."
+        )
+    bad = out_of_vocabulary(prompts, max_token_id)
+    if bad is not None:
+        i, token = bad
+        raise InvalidRequestError(
+            f"prompt {i} contains token id {token}, outside the vocabulary [0, {max_token_id}]; "
+            "check the tokenizer matches the served model."
+        )
+    if (lengths >= max_model_len).any():
+        i = int(np.argmax(lengths >= max_model_len))
+        raise InvalidRequestError(
+            f"prompt {i} has {lengths[i]} tokens but max_model_len is {max_model_len}, which must "
+            "exceed the prompt by at least one generated token; truncate the prompt or launch "
+            "with a larger max_model_len."
+        )
 
 
 def make_sampling_params(params: Any, *, want_logprobs: bool = True):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
+from torchrl_vllm_ext.engine.validation import out_of_vocabulary
 from torchrl_vllm_ext.errors import InvalidInputTypeError, InvalidRequestError
 
 NestedKey = str | tuple[str, ...]
@@ -146,13 +147,11 @@ def check_vocab(prompts: Sequence[np.ndarray], key: NestedKey, max_token_id: int
         )
     if max_token_id is None:
         return
-    flat = np.concatenate(prompts)
-    bad = (flat < 0) | (flat > max_token_id)
-    if bad.any():
-        pos = int(np.argmax(bad))
-        row = int(np.searchsorted(np.cumsum(lengths), pos, side="right"))
+    bad = out_of_vocabulary(prompts, max_token_id)
+    if bad is not None:
+        row, token = bad
         raise InvalidRequestError(
-            f"{key_str(key)} row {row} contains token id {int(flat[pos])}, outside the model's "
+            f"{key_str(key)} row {row} contains token id {token}, outside the model's "
             f"vocabulary [0, {max_token_id}]; check that the tokenizer matches the served model."
         )
 

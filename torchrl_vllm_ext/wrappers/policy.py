@@ -265,18 +265,7 @@ class VLLMPolicy(TensorDictModuleBase):
     def _finish(self, call: _Call, batch: RequestBatch) -> TensorDictBase:
         td, keys, read = call.td, self.keys, call.read
         if not self.generate:
-            out = scoring.scored_output(
-                td,
-                read.token_ids,
-                batch,
-                keys=keys,
-                full_key=self.in_keys[0],
-                mask_key=self.attention_mask_key,
-                pad_output=self.pad_output,
-                pad_token_id=self.pad_token_id,
-                tokens_input=self.input_mode == "tokens",
-                assistant_masks=read.assistant_masks,
-            )
+            out = scoring.scored_output(td, read, batch, self.options)
             if read.texts is not None:
                 add_scored_text(out, read.texts, read.histories, keys)
         else:

@@ -18,6 +18,7 @@ from tensordict import MetaData, TensorDict, TensorDictBase
 from torchrl_vllm_ext.batches import RequestBatch
 from torchrl_vllm_ext.wrappers import inputs
 from torchrl_vllm_ext.wrappers.convert import first_token_zero
+from torchrl_vllm_ext.wrappers.inputs import PolicyInput
 from torchrl_vllm_ext.wrappers.layout import (
     DEFAULT_KEYS,
     OutputKeys,
@@ -26,6 +27,7 @@ from torchrl_vllm_ext.wrappers.layout import (
     split_rows,
     tensorclasses,
 )
+from torchrl_vllm_ext.wrappers.options import PolicyOptions
 from torchrl_vllm_ext.wrappers.padding import cat, left_mask, left_pad, lengths_of, positions
 
 _PROMPT, _ASSISTANT = "prompt", "all_assistant_mask"
@@ -136,26 +138,20 @@ def scored_padded(
 
 
 def scored_output(
-    td: TensorDictBase,
-    seqs: list[np.ndarray],
-    batch: RequestBatch,
-    *,
-    keys: OutputKeys,
-    full_key,
-    mask_key,
-    pad_output: bool,
-    pad_token_id: int | None,
-    tokens_input: bool,
-    assistant_masks: list[torch.Tensor] | None = None,
+    td: TensorDictBase, read: PolicyInput, batch: RequestBatch, options: PolicyOptions
 ):
-    """The scoring output for input ``td`` whose sequences ``seqs`` were scored as ``batch``.
+    """The scoring output for input ``td``, whose sequences (``read.token_ids``) were
+    scored as ``batch``, laid out as ``options`` say.
 
     Reads from ``td`` what splits the output: the padded input and its mask (to scatter
     back into), ``tokens.prompt`` (where the response starts) and an assistant mask.
-    ``assistant_masks`` (scored histories: one per sequence) replaces the latter.
+    ``read.assistant_masks`` (scored histories: one per sequence) replaces the latter.
     """
+    seqs, assistant_masks, keys = read.token_ids, read.assistant_masks, options.keys
+    full_key, mask_key = options.read_key, options.attention_mask_key
+    pad_token_id, tokens_input = options.pad_token_id, options.input_mode == "tokens"
     prompt_key, asst_key = (keys.tokens, _PROMPT), (keys.masks, _ASSISTANT)
-    if pad_output:
+    if options.pad_output:
         full = dense(td, full_key) if tokens_input else None
         if full is None:  # ragged or non-token input: pad what was scored
             full = torch.from_numpy(left_pad(seqs, pad_token_id, np.int64))
