@@ -5,16 +5,19 @@ checksums in one pass) and publishes its manifest atomically; 2) each replica ac
 checksums the published slot while its engine keeps generating. In the pause the
 workers only copy the slot in (``load_weights_from_storage(root, version, verified=True)``).
 A restarted replica loads the published slot, so a push that no replica loaded
-publishes the previous version again.
+publishes the previous version again. ``close`` has the replicas drop their mappings
+and removes the slots (see :class:`~..slots.SlotWriter`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import torch
 
+from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import ActorMethods, WorkerMethods
 from torchrl_vllm_ext.weight_sync.params import require_finite
@@ -26,6 +29,8 @@ from torchrl_vllm_ext.weight_sync.transports.base import (
     WorkerCall,
     raise_errors,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class StorageTransport(Transport):
@@ -47,6 +52,7 @@ class StorageTransport(Transport):
 
     def __init__(self, fleet, storage_dir=None):
         super().__init__(fleet)
+        leftovers.reap()  # slots of writers that were killed
         self.writer = SlotWriter(storage_dir)
         self._previous: SlotManifest | None = None
 
@@ -83,3 +89,13 @@ class StorageTransport(Transport):
         await replica.handle.collective_rpc.remote(
             WorkerMethods.LOAD_FROM_STORAGE, (self.root, version)
         )
+
+    def close(self) -> None:
+        """Have every replica drop its mappings of the slots, then remove them."""
+        for r in self.fleet.ready():  # fire and forget: a dead replica maps nothing
+            try:
+                r.handle.extension_call.remote(ActorMethods.RELEASE_STORAGE, (self.root,))
+                r.handle.collective_rpc.remote(WorkerMethods.RELEASE_STORAGE, (self.root,))
+            except Exception:  # Ray already shut down: the replicas are gone with it
+                logger.debug("could not ask replica %d to unmap %s", r.replica_id, self.root)
+        self.writer.close()
