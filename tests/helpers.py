@@ -446,3 +446,31 @@ def processes_of(session_dir: str, pids=()) -> list[str]:
         if p.info["pid"] in pids or os.path.basename(session_dir) in cmd:
             found.append(f"{p.info['pid']}: {cmd[:120]}")
     return found
+
+
+SHM = "/dev/shm"
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
+def shm_leaks(before: set[str], tag: str) -> tuple[list[str], list[str]]:
+    """What /dev/shm holds now that it did not hold ``before``: (this run's, others').
+
+    This run's: our directories whose owner marker carries ``tag`` (every directory the
+    package makes is marked). Others': every other new name; on a shared machine other
+    programs' segments come and go (multiprocessing's ``sem.mp-*``, other runs'
+    directories), so they are reported, not attributed.
+    """
+    from torchrl_vllm_ext import leftovers
+
+    mine, others = [], []
+    for name in sorted(shm_names() - before):
+        path = os.path.join(SHM, name)
+        owner = leftovers.read_owner(path) if os.path.isdir(path) else None
+        if owner is not None and owner.tag == tag:
+            mine.append(f"{path} (owner pid {owner.pid})")
+        else:
+            others.append(path)
+    return mine, others
