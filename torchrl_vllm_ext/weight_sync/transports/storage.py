@@ -18,6 +18,7 @@ import time
 import torch
 
 from torchrl_vllm_ext import leftovers
+from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import ActorMethods, WorkerMethods
 from torchrl_vllm_ext.weight_sync.params import require_finite
@@ -40,6 +41,8 @@ class StorageTransport(Transport):
         fleet: the replicas pushed to (a service's ``pool``).
         storage_dir: root of the slots (default: a private tmpfs directory); on a
             multi-host cluster, a directory every host shares.
+        deadline: how long a replica may take to checksum the slot (a replica that
+            takes longer is handled as dead and the push goes on without it).
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
@@ -50,8 +53,9 @@ class StorageTransport(Transport):
     name = "storage"
     checks_finite = True
 
-    def __init__(self, fleet, storage_dir=None):
+    def __init__(self, fleet, storage_dir=None, deadline: Deadline | None = None):
         super().__init__(fleet)
+        self.deadline = deadline or Deadline()
         leftovers.reap()  # slots of writers that were killed
         self.writer = SlotWriter(storage_dir)
         self._previous: SlotManifest | None = None
@@ -67,8 +71,13 @@ class StorageTransport(Transport):
         self._previous = self.writer.published()
         await asyncio.to_thread(self.writer.write, tensors, version, require_finite)  # 1)
         t1 = time.perf_counter()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         staged = await self.fleet.call_all(  # 2)
-            "extension_call", ActorMethods.STAGE_STORAGE, (self.root, version), replicas=replicas
+            "extension_call",
+            ActorMethods.STAGE_STORAGE,
+            (self.root, version),
+            replicas=replicas,
+            deadline=self.deadline.for_bytes(nbytes),
         )
         try:
             raise_errors(staged, "stage", version)
