@@ -154,6 +154,7 @@ class WeightSyncScheme:
             deadline=deadline,
         )
         if rollout == "rolling" and not self.transport_impl.loads_one_at_a_time:
+            self.transport_impl.close()  # nothing of a refused scheme stays
             raise ConfigurationError(
                 f"rollout='rolling' needs a transport whose replicas load one at a time; "
                 f"{name!r} reaches every replica in one collective. Use rollout='parallel' or "
