@@ -164,7 +164,8 @@ def _size(path: Path) -> int:
 
 
 def leftovers(base: str | Path | None = None) -> list[Leftover]:
-    """Our directories in ``base`` (default :func:`shm_base`), with their owners."""
+    """Our directories in ``base`` (default :func:`shm_base`), with their owners (only
+    this user's; symbolic links are never followed)."""
     base = Path(base or shm_base())
     found = []
     try:
@@ -173,6 +174,11 @@ def leftovers(base: str | Path | None = None) -> list[Leftover]:
         return []
     for path in entries:
         if not path.name.startswith(PREFIX) or not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            if path.stat().st_uid != os.getuid():  # another user's: neither ours nor ours to remove
+                continue
+        except OSError:
             continue
         owner = read_owner(path)
         alive = owner.alive() if owner is not None else None
