@@ -21,6 +21,7 @@ Examples:
     >>> remove_owned(d)
     >>> os.path.exists(d)
     False
+    >>> os.rmdir(base)
 """
 
 from __future__ import annotations
