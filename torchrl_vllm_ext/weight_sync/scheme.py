@@ -28,6 +28,7 @@ from pathlib import Path
 import ray
 import torch
 
+from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.engine.base import check_pause_mode
 from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaView
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
@@ -98,8 +99,14 @@ class WeightSyncScheme:
             on a multi-host cluster, a directory every host shares.
         bucket_bytes: broadcast bucket size.
         pause_mode: how replicas pause during the load: ``abort``, ``wait`` or ``keep``.
-        timeout: seconds, the broadcast group's collective timeout (``timeout_s``, the
-            old name, still works and warns).
+        timeout: seconds, the fixed part of every deadline of a push (``deadline.fixed_s``;
+            ``timeout_s``, the old name, still works and warns).
+        deadline: how long each step of a push may wait on a replica:
+            ``fixed_s + bytes / min_bytes_per_s`` (:class:`~torchrl_vllm_ext.Deadline`;
+            default 60 s + 20 s per GB). A replica that has not answered by then (dead,
+            frozen, stuck in a collective) is killed, restarted at the live version and
+            named in a :class:`WeightSyncError`. With ``pause_mode="wait"`` the load
+            step waits for running requests, so it has no deadline.
         rollout: ``"parallel"`` loads every replica at once (shortest push);
             ``"rolling"`` (storage only) loads one replica at a time, so the others keep
             serving and each pause is shorter on machines the replicas share.
@@ -118,9 +125,10 @@ class WeightSyncScheme:
         storage_dir: str | Path | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         pause_mode: str = "abort",
-        timeout: float = 300.0,
+        timeout: float | None = None,
         rollout: str = "parallel",
         timeout_s: float | None = None,
+        deadline: Deadline | None = None,
     ):
         if timeout_s is not None:  # one rule: a duration argument is `timeout`, in seconds
             warnings.warn(
@@ -132,6 +140,10 @@ class WeightSyncScheme:
         if rollout not in ROLLOUTS:
             raise ConfigurationError(f"rollout={rollout!r} is not one of {ROLLOUTS}.")
         check_pause_mode(pause_mode)
+        deadline = deadline or Deadline()
+        if timeout is not None:
+            deadline = Deadline(fixed_s=timeout, min_bytes_per_s=deadline.min_bytes_per_s)
+        self.deadline = deadline
         self.service = service
         name, self.reason = choose_transport(service, transport, storage_dir)
         self.transport_impl = make_transport(
@@ -139,9 +151,10 @@ class WeightSyncScheme:
             service.pool,
             storage_dir=storage_dir,
             bucket_bytes=bucket_bytes,
-            timeout_s=timeout,
+            deadline=deadline,
         )
         if rollout == "rolling" and not self.transport_impl.loads_one_at_a_time:
+            self.transport_impl.close()  # nothing of a refused scheme stays
             raise ConfigurationError(
                 f"rollout='rolling' needs a transport whose replicas load one at a time; "
                 f"{name!r} reaches every replica in one collective. Use rollout='parallel' or "
@@ -151,6 +164,7 @@ class WeightSyncScheme:
         self.rollout = rollout
         self.expected = expected_specs(service.config.model)
         self.version: str | None = None
+        self._nbytes = 0
         self.last_report: SyncReport | None = None
         self._lock = asyncio.Lock()
         logger.info("weight sync transport: %s (%s)", name, self.reason)
@@ -204,6 +218,7 @@ class WeightSyncScheme:
             )
         )
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         phases = {"validate": time.perf_counter() - start}
         replicas = list(self.service.pool.ready())
         call = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
@@ -214,7 +229,7 @@ class WeightSyncScheme:
                 "The service restarts them at the previous version; push again."
             )
         t_apply = time.perf_counter()
-        loads = await self._apply(replicas, call, version)  # 3) pause, load, resume
+        loads = await self._apply(replicas, call, version, nbytes)  # 3) pause, load, resume
         phases["apply"] = time.perf_counter() - t_apply
         phases["load"] = max((t["load_s"] for t in loads.results.values()), default=0.0)
         if not loads.results:  # 4) commit or roll back
@@ -230,10 +245,19 @@ class WeightSyncScheme:
             version, transport.name, nbytes, time.perf_counter() - start, pauses, phases
         )
 
-    async def _apply(self, replicas: Replicas, call, version: str) -> Outcomes:
+    async def _apply(self, replicas: Replicas, call, version: str, nbytes: int) -> Outcomes:
+        # "wait" drains running requests first: no bound on that part of the pause.
+        deadline = None if self.pause_mode == "wait" else self.deadline.for_bytes(nbytes)
+
         async def load(group: Replicas) -> Outcomes:
             return await self.service.pool.call_all(
-                "update_weights", call.method, call.args, version, self.pause_mode, replicas=group
+                "update_weights",
+                call.method,
+                call.args,
+                version,
+                self.pause_mode,
+                replicas=group,
+                deadline=deadline,
             )
 
         if self.rollout == "parallel":
@@ -275,7 +299,10 @@ class WeightSyncScheme:
         async with self._lock:
             if self.version is None or self.service.weights_provider is not self:
                 return
-            await self.transport_impl.bring_up(replica, self.version)
+            await asyncio.wait_for(  # a restart whose load hangs is retried by the pool
+                self.transport_impl.bring_up(replica, self.version),
+                self.deadline.for_bytes(self._nbytes),
+            )
             await replica.handle.set_weight_version.remote(self.version)
             await replica.handle.reset_prefix_cache.remote()  # the weights changed
             logger.info(
