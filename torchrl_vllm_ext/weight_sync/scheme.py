@@ -2,11 +2,16 @@
 
 A push, as named steps (:meth:`WeightSyncScheme.apush`):
 
-1. validate names, shapes and values, before any replica is touched;
-2. ``transport.prepare``: the bytes reach the replicas while they keep generating;
-3. on each replica: pause -> load -> verify -> set version -> resume
+1. validate names, shapes and values, before any replica is touched (transformers'
+   in-memory names, e.g. fused MoE experts, mapped onto the checkpoint's first);
+2. ``transport.prepare``: the bytes reach the replicas while they keep generating
+   (meanwhile, in a thread, the trainer's log-probs for the probe sequence);
+3. on each replica: pause -> load -> verify version -> set version -> resume
    (``VLLMReplica.update_weights``), all at once or one replica at a time;
-4. ``transport.commit`` (or ``rollback`` when no replica loaded), record the version,
+4. verify by value (``verify=True``): each loaded replica scores the probe after its
+   pause; one whose log-probs differ from the trainer's failed the push and is
+   restarted (it serves weights nobody pushed);
+5. ``transport.commit`` (or ``rollback`` when no replica loaded), record the version,
    and become the service's weights provider for restarted replicas.
 
 The scheme owns validation, the version, the order of pushes, the rollout policy and
@@ -27,14 +32,24 @@ from pathlib import Path
 
 import ray
 import torch
+from torch import nn
 
 from torchrl_vllm_ext.engine.base import check_pause_mode
 from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaView
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
+from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames
 from torchrl_vllm_ext.weight_sync.packing import DEFAULT_BUCKET_BYTES
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
 from torchrl_vllm_ext.weight_sync.transports import make_transport
 from torchrl_vllm_ext.weight_sync.transports.base import Replicas
+from torchrl_vllm_ext.weight_sync.verify import (
+    ProbeResult,
+    ReferenceModel,
+    default_tolerance,
+    mean_gap,
+    model_logprobs,
+    probe_ids,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +75,11 @@ class SyncReport:
     """Seconds per phase. Storage: validate, write (copy, finiteness and checksums in one
     pass), stage (replicas checksum the slot), apply (pause, load, resume), load (the
     slowest replica's load inside its pause). Broadcast: validate, pack, send (workers
-    receive and verify while generating), apply, load."""
+    receive and verify while generating), apply, load. Both, with ``verify=True``:
+    reference (the trainer's probe log-probs, beside prepare), verify (every replica's
+    probe, after its pause)."""
+    probe_gap: dict[int, float] = field(default_factory=dict)
+    """Per replica: mean |replica - trainer| log-prob over the probe (``verify=True``)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -103,6 +122,13 @@ class WeightSyncScheme:
         rollout: ``"parallel"`` loads every replica at once (shortest push);
             ``"rolling"`` (storage only) loads one replica at a time, so the others keep
             serving and each pause is shorter on machines the replicas share.
+        verify: check arrival by value after every load: each replica's log-probs for a
+            fixed probe sequence must equal the trainer model's (the pushed module, or
+            for tensors a transformers copy of the served model, one more copy of the
+            weights in this process). A replica that fails is restarted and the push
+            raises :class:`WeightSyncError`.
+        verify_tol: mean |log-prob gap| allowed over the probe (default: 1e-3 for
+            replicas serving float32, 5e-2 otherwise).
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
@@ -121,6 +147,8 @@ class WeightSyncScheme:
         timeout: float = 300.0,
         rollout: str = "parallel",
         timeout_s: float | None = None,
+        verify: bool = True,
+        verify_tol: float | None = None,
     ):
         if timeout_s is not None:  # one rule: a duration argument is `timeout`, in seconds
             warnings.warn(
@@ -150,6 +178,13 @@ class WeightSyncScheme:
         self.pause_mode = pause_mode
         self.rollout = rollout
         self.expected = expected_specs(service.config.model)
+        self.names = CheckpointNames(service.config.model, self.expected)
+        self.verify = verify
+        self.verify_tol = verify_tol or default_tolerance(
+            str(service.config.engine_kwargs.get("dtype", "auto"))
+        )
+        self._probe = probe_ids(service.config.model) if verify else []
+        self._reference_model: ReferenceModel | None = None
         self.version: str | None = None
         self.last_report: SyncReport | None = None
         self._lock = asyncio.Lock()
@@ -200,13 +235,21 @@ class WeightSyncScheme:
         start = time.perf_counter()
         tensors = await asyncio.to_thread(  # 1) validate
             lambda: validate(
-                named_tensors(weights), self.expected, check_finite=not transport.checks_finite
+                self._checkpoint_named(weights),
+                self.expected,
+                check_finite=not transport.checks_finite,
             )
         )
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         phases = {"validate": time.perf_counter() - start}
+        reference = self._start_reference(weights, tensors, phases)
         replicas = list(self.service.pool.ready())
-        call = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
+        try:
+            call = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
+        except BaseException:
+            if reference is not None:
+                await asyncio.gather(reference, return_exceptions=True)
+            raise
         if not replicas:
             await transport.rollback(version)
             raise WeightSyncError(
@@ -214,10 +257,10 @@ class WeightSyncScheme:
                 "The service restarts them at the previous version; push again."
             )
         t_apply = time.perf_counter()
-        loads = await self._apply(replicas, call, version)  # 3) pause, load, resume
+        loads = await self._apply(replicas, call, version, reference, phases)  # 3) + 4)
         phases["apply"] = time.perf_counter() - t_apply
         phases["load"] = max((t["load_s"] for t in loads.results.values()), default=0.0)
-        if not loads.results:  # 4) commit or roll back
+        if not loads.results:  # 5) commit or roll back
             await transport.rollback(version)
             raise self._load_error(loads, version, loaded=[])
         await transport.commit(version)
@@ -226,15 +269,75 @@ class WeightSyncScheme:
         if loads.errors:
             raise self._load_error(loads, version, loaded=sorted(loads.results))
         pauses = {rid: t["pause_s"] for rid, t in loads.results.items()}
+        gaps = {rid: t["probe_gap"] for rid, t in loads.results.items() if "probe_gap" in t}
         return SyncReport(
-            version, transport.name, nbytes, time.perf_counter() - start, pauses, phases
+            version, transport.name, nbytes, time.perf_counter() - start, pauses, phases, gaps
         )
 
-    async def _apply(self, replicas: Replicas, call, version: str) -> Outcomes:
+    def _checkpoint_named(self, weights) -> dict[str, torch.Tensor]:
+        """The pushed tensors under the checkpoint's names (transformers' fused names mapped)."""
+        tensors = named_tensors(weights)
+        if self.names.needed(tensors):
+            module = weights if isinstance(weights, nn.Module) else None
+            tensors = self.names.to_checkpoint(tensors, module)
+        return tensors
+
+    def _start_reference(self, weights, tensors, phases: dict) -> asyncio.Future | None:
+        """The trainer's probe log-probs, computed in a thread while the bytes move."""
+        if not self.verify:
+            return None
+
+        def run() -> list[float]:
+            t0 = time.perf_counter()
+            if isinstance(weights, nn.Module) and callable(getattr(weights, "forward", None)):
+                out = model_logprobs(weights, self._probe)
+            else:
+                if self._reference_model is None:
+                    self._reference_model = ReferenceModel(
+                        self.service.config.model, self.names.checkpoint_writers
+                    )
+                out = self._reference_model.logprobs(tensors, self._probe)
+            phases["reference"] = time.perf_counter() - t0
+            return out
+
+        return asyncio.ensure_future(asyncio.to_thread(run))
+
+    async def _verify(self, loaded: Outcomes, reference, version: str, phases: dict) -> None:
+        """Step 4: every loaded replica scores the probe; a mismatch moves it to the errors
+        and restarts it (it serves weights nobody pushed)."""
+        if reference is None or not loaded.results:
+            return
+        expected = await reference
+        t0 = time.perf_counter()
+        pool = self.service.pool
+        views = [v for v in pool.ready() if v.replica_id in loaded.results]
+        probes = await pool.call_all("probe_logprobs", self._probe, replicas=views)
+        loaded.dead.update(probes.dead)
+        for rid, cause in probes.errors.items():
+            loaded.errors[rid] = cause
+        for rid in list(loaded.results):
+            if rid in probes.dead or rid in probes.errors:
+                del loaded.results[rid]
+                continue
+            result = ProbeResult(rid, mean_gap(expected, probes.results[rid]), self.verify_tol)
+            loaded.results[rid]["probe_gap"] = result.gap
+            if not result.ok:
+                error = result.error(version)
+                logger.error("%s", error)
+                del loaded.results[rid]
+                loaded.errors[rid] = error
+                pool.discard(next(v for v in views if v.replica_id == rid), error, "verification")
+        phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t0
+
+    async def _apply(
+        self, replicas: Replicas, call, version: str, reference=None, phases: dict | None = None
+    ) -> Outcomes:
         async def load(group: Replicas) -> Outcomes:
-            return await self.service.pool.call_all(
+            loaded = await self.service.pool.call_all(
                 "update_weights", call.method, call.args, version, self.pause_mode, replicas=group
             )
+            await self._verify(loaded, reference, version, phases if phases is not None else {})
+            return loaded
 
         if self.rollout == "parallel":
             return await load(replicas)
