@@ -35,7 +35,9 @@ def moe(request, tmp_path_factory, ray_cluster):
     finally:
         del os.environ[TEST_SKIP_LOAD_ENV]  # restarted replicas load normally
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    schemes = {t: WeightSyncScheme(service, transport=t) for t in ("storage", "broadcast")}
+    schemes = {
+        t: WeightSyncScheme(service, transport=t, verify="always") for t in ("storage", "broadcast")
+    }
     yield arch, path, service, trainer, schemes
     for scheme in schemes.values():
         scheme.close()

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView
-from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.messages import ReplicaInfo
 from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme
 from torchrl_vllm_ext.weight_sync.transports.base import Transport, WorkerCall
@@ -216,3 +216,11 @@ def test_a_push_whose_every_replica_fails_the_probe_rolls_back(model_dir):
     with pytest.raises(WeightSyncError, match="probe sequence differ"):
         scheme.push(Trainer(), version=6)
     assert scheme.transport_impl.events[-1] == ("rollback", "6") and scheme.version is None
+
+
+def test_by_default_only_the_first_successful_push_is_verified(model_dir):
+    _service, scheme = scheme_for(model_dir, [Replica(0)], verify="first")
+    assert scheme.push(Trainer(), version=7).probe_gap == {0: 0.0}
+    assert scheme.push(Trainer(), version=8).probe_gap == {}
+    with pytest.raises(ConfigurationError, match="verify='sometimes'"):
+        scheme_for(model_dir, [Replica(0)], verify="sometimes")

@@ -8,9 +8,10 @@ A push, as named steps (:meth:`WeightSyncScheme.apush`):
    (meanwhile, in a thread, the trainer's log-probs for the probe sequence);
 3. on each replica: pause -> load -> verify version -> set version -> resume
    (``VLLMReplica.update_weights``), all at once or one replica at a time;
-4. verify by value (``verify=True``): each loaded replica scores the probe after its
-   pause; one whose log-probs differ from the trainer's failed the push and is
-   restarted (it serves weights nobody pushed);
+4. verify by value (``verify``: the scheme's first push by default, every push with
+   ``"always"``): each loaded replica scores the probe after its pause; one whose
+   log-probs differ from the trainer's failed the push and is restarted (it serves
+   weights nobody pushed);
 5. ``transport.commit`` (or ``rollback`` when no replica loaded), record the version,
    and become the service's weights provider for restarted replicas.
 
@@ -55,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "broadcast", "storage")
 ROLLOUTS = ("parallel", "rolling")
+VERIFY = ("first", "always", "never")
 
 
 @dataclass
@@ -75,11 +77,11 @@ class SyncReport:
     """Seconds per phase. Storage: validate, write (copy, finiteness and checksums in one
     pass), stage (replicas checksum the slot), apply (pause, load, resume), load (the
     slowest replica's load inside its pause). Broadcast: validate, pack, send (workers
-    receive and verify while generating), apply, load. Both, with ``verify=True``:
+    receive and verify while generating), apply, load. Both, on a verified push:
     reference (the trainer's probe log-probs, beside prepare), verify (every replica's
     probe, after its pause)."""
     probe_gap: dict[int, float] = field(default_factory=dict)
-    """Per replica: mean |replica - trainer| log-prob over the probe (``verify=True``)."""
+    """Per replica: mean |replica - trainer| log-prob over the probe (empty: not verified)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -122,11 +124,15 @@ class WeightSyncScheme:
         rollout: ``"parallel"`` loads every replica at once (shortest push);
             ``"rolling"`` (storage only) loads one replica at a time, so the others keep
             serving and each pause is shorter on machines the replicas share.
-        verify: check arrival by value after every load: each replica's log-probs for a
-            fixed probe sequence must equal the trainer model's (the pushed module, or
-            for tensors a transformers copy of the served model, one more copy of the
-            weights in this process). A replica that fails is restarted and the push
-            raises :class:`WeightSyncError`.
+        verify: when to check arrival by value: ``"first"`` (the scheme's first push
+            that succeeds, the default: what catches a model whose reload vLLM gets
+            wrong), ``"always"`` (every push) or ``"never"``; ``True`` / ``False`` mean
+            ``"always"`` / ``"never"``. A checked push has every replica's log-probs for
+            a fixed probe sequence equal the trainer model's (the pushed module, or for
+            tensors a transformers copy of the served model: one more copy of the
+            weights in this process); a replica that fails is restarted and the push
+            raises :class:`WeightSyncError`. It costs one forward pass here and one per
+            replica (about half a push of a 355 MB model on 2 cores: docs/architecture.md).
         verify_tol: mean |log-prob gap| allowed over the probe (default: 1e-3 for
             replicas serving float32, 5e-2 otherwise).
 
@@ -147,7 +153,7 @@ class WeightSyncScheme:
         timeout: float = 300.0,
         rollout: str = "parallel",
         timeout_s: float | None = None,
-        verify: bool = True,
+        verify: bool | str = "first",
         verify_tol: float | None = None,
     ):
         if timeout_s is not None:  # one rule: a duration argument is `timeout`, in seconds
@@ -179,11 +185,14 @@ class WeightSyncScheme:
         self.rollout = rollout
         self.expected = expected_specs(service.config.model)
         self.names = CheckpointNames(service.config.model, self.expected)
-        self.verify = verify
+        self.verify = {True: "always", False: "never"}.get(verify, verify)
+        if self.verify not in VERIFY:
+            raise ConfigurationError(f"verify={verify!r} is not one of {VERIFY} (or a bool).")
+        self.verified_pushes = 0
         self.verify_tol = verify_tol or default_tolerance(
             str(service.config.engine_kwargs.get("dtype", "auto"))
         )
-        self._probe = probe_ids(service.config.model) if verify else []
+        self._probe = probe_ids(service.config.model)
         self._reference_model: ReferenceModel | None = None
         self.version: str | None = None
         self.last_report: SyncReport | None = None
@@ -265,6 +274,10 @@ class WeightSyncScheme:
             raise self._load_error(loads, version, loaded=[])
         await transport.commit(version)
         self.version = version
+        if reference is not None:
+            self.verified_pushes += 1
+            if self.verify == "first":
+                self._reference_model = None  # not needed again: free its copy of the weights
         self.service.set_weights_provider(self)
         if loads.errors:
             raise self._load_error(loads, version, loaded=sorted(loads.results))
@@ -284,7 +297,7 @@ class WeightSyncScheme:
 
     def _start_reference(self, weights, tensors, phases: dict) -> asyncio.Future | None:
         """The trainer's probe log-probs, computed in a thread while the bytes move."""
-        if not self.verify:
+        if self.verify == "never" or (self.verify == "first" and self.verified_pushes):
             return None
 
         def run() -> list[float]:
