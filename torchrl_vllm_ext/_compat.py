@@ -209,6 +209,10 @@ def _prepack_cpu_experts(model) -> int:
     packs what was just loaded. Expert widths must be multiples of the kernel's alignment
     (32): a padded layer would not match the checkpoint's shapes after a reload.
     """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():  # GPU kernels take updates in _setup_kernel itself
+        return 0
     count = 0
     for module in model.modules():
         experts = _cpu_experts_kernel(module)
