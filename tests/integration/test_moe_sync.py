@@ -50,6 +50,13 @@ def checkpoint_tensors(model, out_dir) -> dict[str, torch.Tensor]:
     return load_file(str(out_dir / "model.safetensors"))
 
 
+def test_moe_model_is_served_like_transformers(moe):
+    # First in the module: nothing pushed yet, the replica serves the checkpoint.
+    arch, _, service, trainer, _ = moe
+    gap = assert_replicas_match(service, trainer, service.weight_version)
+    print(f"{arch} served checkpoint: max |replica - transformers| log-prob {gap:.2e}")
+
+
 @pytest.mark.parametrize("transport", ["storage", "broadcast"])
 @pytest.mark.parametrize("names", ["checkpoint", "transformers"])
 def test_moe_push_is_exact(moe, transport, names, tmp_path):
