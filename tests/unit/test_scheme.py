@@ -224,3 +224,15 @@ def test_by_default_only_the_first_successful_push_is_verified(model_dir):
     assert scheme.push(Trainer(), version=8).probe_gap == {}
     with pytest.raises(ConfigurationError, match="verify='sometimes'"):
         scheme_for(model_dir, [Replica(0)], verify="sometimes")
+
+
+def test_a_trainer_model_the_check_cannot_run_fails_before_any_load(model_dir):
+    class NotALanguageModel(Trainer):
+        def forward(self, input_ids):
+            raise TypeError("forward() takes a TensorDict")
+
+    service, scheme = scheme_for(model_dir, [Replica(0)], verify="always")
+    with pytest.raises(WeightSyncError, match="verify='never'"):
+        scheme.push(NotALanguageModel(), version=9)
+    assert service.replicas[0].version == "0"
+    assert scheme.transport_impl.events[-1] == ("rollback", "9")

@@ -37,7 +37,7 @@ from torch import nn
 
 from torchrl_vllm_ext.engine.base import check_pause_mode
 from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaView
-from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
+from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames
 from torchrl_vllm_ext.weight_sync.packing import DEFAULT_BUCKET_BYTES
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
@@ -260,13 +260,16 @@ class WeightSyncScheme:
                 await asyncio.gather(reference, return_exceptions=True)
             raise
         if not replicas:
+            if reference is not None:
+                await asyncio.gather(reference, return_exceptions=True)
             await transport.rollback(version)
             raise WeightSyncError(
                 f"every replica died while version {version} was sent; nothing serves it. "
                 "The service restarts them at the previous version; push again."
             )
+        expected = await self._reference_or_rollback(reference, version)
         t_apply = time.perf_counter()
-        loads = await self._apply(replicas, call, version, reference, phases)  # 3) + 4)
+        loads = await self._apply(replicas, call, version, expected, phases)  # 3) + 4)
         phases["apply"] = time.perf_counter() - t_apply
         phases["load"] = max((t["load_s"] for t in loads.results.values()), default=0.0)
         if not loads.results:  # 5) commit or roll back
@@ -274,7 +277,7 @@ class WeightSyncScheme:
             raise self._load_error(loads, version, loaded=[])
         await transport.commit(version)
         self.version = version
-        if reference is not None:
+        if expected is not None:
             self.verified_pushes += 1
             if self.verify == "first":
                 self._reference_model = None  # not needed again: free its copy of the weights
@@ -315,12 +318,26 @@ class WeightSyncScheme:
 
         return asyncio.ensure_future(asyncio.to_thread(run))
 
-    async def _verify(self, loaded: Outcomes, reference, version: str, phases: dict) -> None:
+    async def _reference_or_rollback(self, reference, version: str) -> list[float] | None:
+        """The trainer's probe log-probs, awaited before any replica loads: a model the
+        check cannot run fails the push while every replica still serves its weights."""
+        if reference is None:
+            return None
+        try:
+            return await reference
+        except Exception as e:
+            await self.transport_impl.rollback(version)
+            raise WeightSyncError(
+                f"version {version}: the trainer's log-probs for the value check could not be "
+                f"computed ({type(e).__name__}: {e}); nothing was loaded. Push the transformers "
+                "model (or its state dict), or pass verify='never'."
+            ) from e
+
+    async def _verify(self, loaded: Outcomes, expected, version: str, phases: dict) -> None:
         """Step 4: every loaded replica scores the probe; a mismatch moves it to the errors
         and restarts it (it serves weights nobody pushed)."""
-        if reference is None or not loaded.results:
+        if expected is None or not loaded.results:
             return
-        expected = await reference
         t0 = time.perf_counter()
         pool = self.service.pool
         views = [v for v in pool.ready() if v.replica_id in loaded.results]
@@ -329,8 +346,12 @@ class WeightSyncScheme:
         for rid, cause in probes.errors.items():
             loaded.errors[rid] = cause
         for rid in list(loaded.results):
-            if rid in probes.dead or rid in probes.errors:
+            if rid not in probes.results:  # died or failed since its load: not verified
                 del loaded.results[rid]
+                if rid not in probes.errors and rid not in probes.dead:
+                    loaded.dead[rid] = ReplicaDeadError(
+                        f"replica {rid} left the pool before version {version} was verified."
+                    )
                 continue
             result = ProbeResult(rid, mean_gap(expected, probes.results[rid]), self.verify_tol)
             loaded.results[rid]["probe_gap"] = result.gap
@@ -343,13 +364,13 @@ class WeightSyncScheme:
         phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t0
 
     async def _apply(
-        self, replicas: Replicas, call, version: str, reference=None, phases: dict | None = None
+        self, replicas: Replicas, call, version: str, expected=None, phases: dict | None = None
     ) -> Outcomes:
         async def load(group: Replicas) -> Outcomes:
             loaded = await self.service.pool.call_all(
                 "update_weights", call.method, call.args, version, self.pause_mode, replicas=group
             )
-            await self._verify(loaded, reference, version, phases if phases is not None else {})
+            await self._verify(loaded, expected, version, phases if phases is not None else {})
             return loaded
 
         if self.rollout == "parallel":
