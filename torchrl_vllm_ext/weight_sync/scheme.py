@@ -132,7 +132,7 @@ class WeightSyncScheme:
             tensors a transformers copy of the served model: one more copy of the
             weights in this process); a replica that fails is restarted and the push
             raises :class:`WeightSyncError`. It costs one forward pass here and one per
-            replica (about half a push of a 355 MB model on 2 cores: docs/architecture.md).
+            replica (+20-70% on a 355 MB push on 2 cores: docs/architecture.md).
         verify_tol: mean |log-prob gap| allowed over the probe (default: 1e-3 for
             replicas serving float32, 5e-2 otherwise).
 
