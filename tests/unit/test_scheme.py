@@ -236,16 +236,3 @@ def test_a_trainer_model_the_check_cannot_run_fails_before_any_load(model_dir):
         scheme.push(NotALanguageModel(), version=9)
     assert service.replicas[0].version == "0"
     assert scheme.transport_impl.events[-1] == ("rollback", "9")
-
-
-def test_closing_a_storage_scheme_removes_the_slots_it_made(model_dir, tmp_path):
-    service = Service(model_dir, [Replica(0)])
-    made = WeightSyncScheme(service, transport="storage", verify="never")
-    given = WeightSyncScheme(
-        service, transport="storage", storage_dir=tmp_path / "mine", verify="never"
-    )
-    roots = made.storage_dir, given.storage_dir
-    assert all(root.is_dir() for root in roots)
-    made.close()
-    given.close()
-    assert not roots[0].exists() and roots[1].is_dir()  # the caller's directory stays

@@ -165,9 +165,6 @@ class WeightSyncScheme:
             timeout = timeout_s
         if rollout not in ROLLOUTS:
             raise ConfigurationError(f"rollout={rollout!r} is not one of {ROLLOUTS}.")
-        self.verify = {True: "always", False: "never"}.get(verify, verify)
-        if self.verify not in VERIFY:
-            raise ConfigurationError(f"verify={verify!r} is not one of {VERIFY} (or a bool).")
         check_pause_mode(pause_mode)
         self.service = service
         name, self.reason = choose_transport(service, transport, storage_dir)
@@ -179,7 +176,6 @@ class WeightSyncScheme:
             timeout_s=timeout,
         )
         if rollout == "rolling" and not self.transport_impl.loads_one_at_a_time:
-            self.transport_impl.close()
             raise ConfigurationError(
                 f"rollout='rolling' needs a transport whose replicas load one at a time; "
                 f"{name!r} reaches every replica in one collective. Use rollout='parallel' or "
@@ -189,6 +185,9 @@ class WeightSyncScheme:
         self.rollout = rollout
         self.expected = expected_specs(service.config.model)
         self.names = CheckpointNames(service.config.model, self.expected)
+        self.verify = {True: "always", False: "never"}.get(verify, verify)
+        if self.verify not in VERIFY:
+            raise ConfigurationError(f"verify={verify!r} is not one of {VERIFY} (or a bool).")
         self.verified_pushes = 0
         self.verify_tol = verify_tol or default_tolerance(
             str(service.config.engine_kwargs.get("dtype", "auto"))

@@ -51,7 +51,6 @@ class SlotWriter:
         >>> manifest = w.write({"w": torch.ones(3)}, version="1")
         >>> read_published(w.root)[0].version
         '1'
-        >>> import shutil; shutil.rmtree(w.root)  # the caller owns a root it passes
     """
 
     def __init__(self, root: str | Path | None = None, num_threads: int = 4):

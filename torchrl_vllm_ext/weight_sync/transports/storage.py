@@ -11,7 +11,6 @@ publishes the previous version again.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 
 import torch
@@ -49,9 +48,6 @@ class StorageTransport(Transport):
     def __init__(self, fleet, storage_dir=None):
         super().__init__(fleet)
         self.writer = SlotWriter(storage_dir)
-        # A directory made here (on tmpfs, twice the model's size) goes with the
-        # transport; a storage_dir the caller gave stays theirs.
-        self._owns_root = storage_dir is None
         self._previous: SlotManifest | None = None
 
     @property
@@ -87,8 +83,3 @@ class StorageTransport(Transport):
         await replica.handle.collective_rpc.remote(
             WorkerMethods.LOAD_FROM_STORAGE, (self.root, version)
         )
-
-    def close(self) -> None:
-        """Remove the slots' directory if this transport made it."""
-        if self._owns_root:
-            shutil.rmtree(self.writer.root, ignore_errors=True)
