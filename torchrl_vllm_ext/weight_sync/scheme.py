@@ -165,6 +165,9 @@ class WeightSyncScheme:
             timeout = timeout_s
         if rollout not in ROLLOUTS:
             raise ConfigurationError(f"rollout={rollout!r} is not one of {ROLLOUTS}.")
+        self.verify = {True: "always", False: "never"}.get(verify, verify)
+        if self.verify not in VERIFY:
+            raise ConfigurationError(f"verify={verify!r} is not one of {VERIFY} (or a bool).")
         check_pause_mode(pause_mode)
         self.service = service
         name, self.reason = choose_transport(service, transport, storage_dir)
@@ -185,9 +188,6 @@ class WeightSyncScheme:
         self.rollout = rollout
         self.expected = expected_specs(service.config.model)
         self.names = CheckpointNames(service.config.model, self.expected)
-        self.verify = {True: "always", False: "never"}.get(verify, verify)
-        if self.verify not in VERIFY:
-            raise ConfigurationError(f"verify={verify!r} is not one of {VERIFY} (or a bool).")
         self.verified_pushes = 0
         self.verify_tol = verify_tol or default_tolerance(
             str(service.config.engine_kwargs.get("dtype", "auto"))
