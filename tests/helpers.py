@@ -371,3 +371,106 @@ class FakeService:
     async def agenerate_request_batch(self, prompts, params, **kwargs):
         await asyncio.sleep(0)
         return self.generate_request_batch(prompts, params, **kwargs)
+
+
+# ---------------------------------------------------------------------- leftovers
+TRAINER_RUN = """
+import json, os, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+from torchrl_vllm_ext import AdapterSync, VLLMService, WeightSyncScheme
+from tests.helpers import ENGINE_KWARGS, LORA_KWARGS, make_adapter, perturb
+
+model, out, mode = sys.argv[1:]
+# Its own Ray cluster, owned (and shut down) by the service.
+svc = VLLMService.launch(model, num_replicas=1, cpus_per_replica=0.5,
+                         health_check_interval=0, **LORA_KWARGS, **ENGINE_KWARGS)
+import ray
+from ray._private import worker
+info = {"driver": os.getpid(), "replicas": [r.info.pid for r in svc.replicas()],
+        "session": worker._global_node.get_session_dir_path()}
+scheme = WeightSyncScheme(svc, transport="storage")
+trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+for v in (1, 2):
+    perturb(trainer, seed=v)
+    scheme.push(trainer, version=v)
+info["slots"] = str(scheme.storage_dir)
+if mode == "kill":  # the test SIGKILLs this trainer now
+    print(json.dumps(info), flush=True)
+    time.sleep(3600)
+adapter = make_adapter(model, os.path.join(out, "adapter"), seed=3)
+with AdapterSync(svc, "policy", keep=1) as sync:
+    sync.push(adapter, 3)
+    sync.push(adapter, 4)  # retires version 3
+    info["adapters"] = str(sync.root)
+scheme.close()
+svc.shutdown()
+print(json.dumps(info), flush=True)
+"""
+"""A trainer that launches its own service (and Ray), pushes twice through storage, then
+(mode ``close``) pushes two adapter versions and closes everything, or (mode ``kill``)
+prints what it made and waits to be SIGKILLed. Last stdout line: JSON of its pids, Ray
+session directory and the directories it made."""
+
+
+def trainer_env(tag: str) -> dict:
+    """The environment of a :data:`TRAINER_RUN` child: its markers carry ``tag``."""
+    from torchrl_vllm_ext.leftovers import TAG_ENV
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return {**env, TAG_ENV: tag, "PYTHONPATH": os.getcwd()}
+
+
+def ours_tagged(tag: str) -> list[str]:
+    """Our directories in /dev/shm whose marker carries ``tag``."""
+    from torchrl_vllm_ext import leftovers
+
+    return [
+        str(item.path)
+        for item in leftovers.leftovers()
+        if item.owner is not None and item.owner.tag == tag
+    ]
+
+
+def processes_of(session_dir: str, pids=()) -> list[str]:
+    """Live processes of a Ray session (its session directory on their command line) or
+    among ``pids``."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            if p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            cmd = " ".join(p.info["cmdline"] or ())
+        except psutil.Error:
+            continue
+        if p.info["pid"] in pids or os.path.basename(session_dir) in cmd:
+            found.append(f"{p.info['pid']}: {cmd[:120]}")
+    return found
+
+
+SHM = "/dev/shm"
+
+
+def shm_names() -> set[str]:
+    return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
+def shm_leaks(before: set[str], tag: str) -> tuple[list[str], list[str]]:
+    """What /dev/shm holds now that it did not hold ``before``: (this run's, others').
+
+    This run's: our directories whose owner marker carries ``tag`` (every directory the
+    package makes is marked). Others': every other new name; on a shared machine other
+    programs' segments come and go (multiprocessing's ``sem.mp-*``, other runs'
+    directories), so they are reported, not attributed.
+    """
+    from torchrl_vllm_ext import leftovers
+
+    mine, others = [], []
+    for name in sorted(shm_names() - before):
+        path = os.path.join(SHM, name)
+        owner = leftovers.read_owner(path) if os.path.isdir(path) else None
+        if owner is not None and owner.tag == tag:
+            mine.append(f"{path} (owner pid {owner.pid})")
+        else:
+            others.append(path)
+    return mine, others

@@ -15,6 +15,7 @@ _EXPORTS = {
     "WeightSyncScheme": "torchrl_vllm_ext.weight_sync.scheme",
     "SyncReport": "torchrl_vllm_ext.weight_sync.scheme",
     "AdapterSync": "torchrl_vllm_ext.weight_sync.adapters",
+    "Deadline": "torchrl_vllm_ext.deadlines",
     "WeightSyncUpdater": "torchrl_vllm_ext.collectors",
     "AsyncCollection": "torchrl_vllm_ext.collectors",
     "StalenessFilter": "torchrl_vllm_ext.collectors",

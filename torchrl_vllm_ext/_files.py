@@ -1,10 +1,12 @@
-"""Small file helpers shared by the weight slots, the adapters and the generate output."""
+"""Small file helpers shared by the weight slots, the adapters and the generate output.
+
+Private directories of our own (with an owner marker) come from
+:func:`torchrl_vllm_ext.leftovers.owned_dir`."""
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +22,6 @@ def fsync_path(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def private_dir(prefix: str) -> Path:
-    """A new private (0700) directory on tmpfs when there is one (page-cache speed), else
-    in the temp dir."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 def write_text_atomic(path: str | Path, text: str, fsync_dir=None) -> None:
@@ -52,4 +47,4 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj))
 
 
-__all__ = ["fsync_path", "private_dir", "write_json_atomic", "write_text_atomic"]
+__all__ = ["fsync_path", "write_json_atomic", "write_text_atomic"]

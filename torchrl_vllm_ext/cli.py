@@ -3,6 +3,8 @@
 - ``demo``: the GRPO main job on a tiny local model (``jobs/demo.py``).
 - ``generate``: TensorDict in, TensorDict out, resumable (``jobs/generate.py``).
 - ``bench``: run the benchmarks and print one JSON table (``jobs/bench.py``).
+- ``doctor``: the package's leftovers on this machine; ``--clean`` removes the dead
+  owners' (``jobs/doctor.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 from torchrl_vllm_ext.jobs.logs import LOG_FILE_NAME, job_log_file, setup_logging
 
-JOBS = ("demo", "generate", "bench")
+JOBS = ("demo", "generate", "bench", "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

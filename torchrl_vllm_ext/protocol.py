@@ -41,6 +41,8 @@ class WorkerMethods:
     """(header_json: str) -> loaded version; receive, verify, load (restarted replicas)."""
     CLOSE_BROADCAST = "close_weight_broadcast"
     """() -> whether a group was open."""
+    RELEASE_STORAGE = "release_weight_storage"
+    """(path: str) -> whether it was mapped; drops this worker's mappings of a storage root."""
 
 
 class ActorMethods:
@@ -48,6 +50,8 @@ class ActorMethods:
 
     STAGE_STORAGE = "stage_storage"
     """(root: str, version: str) -> version; checksums the published slot."""
+    RELEASE_STORAGE = "release_storage"
+    """(root: str) -> whether it was mapped; drops the actor's mappings of a storage root."""
 
 
 PACKED_WEIGHTS_ENV = "TORCHRL_VLLM_CPU_PACKED_WEIGHTS"

@@ -399,6 +399,7 @@ def test_fingerprint(model, tokenizer):
     assert a != fingerprint(p, GenerateOptions(), str(model), "bfloat16")
 
 
+@pytest.mark.usefixtures("restore_logging")
 def test_cli_errors_exit_2_before_any_launch(tmp_path, model, capsys):
     from torchrl_vllm_ext.cli import main
 

@@ -33,7 +33,9 @@ PARAMS = {
     WorkerMethods.LOAD_STAGED: ["version"],
     WorkerMethods.RECEIVE_BROADCAST: ["header_json"],
     WorkerMethods.CLOSE_BROADCAST: [],
+    WorkerMethods.RELEASE_STORAGE: ["path"],
     ActorMethods.STAGE_STORAGE: ["root", "version"],
+    ActorMethods.RELEASE_STORAGE: ["root"],
 }
 
 

@@ -5,7 +5,9 @@ over an :class:`~.adapters.AdapterRegistry`. A replica on the driver's node load
 adapter from its directory; a replica on another node gets the directory's files through
 Ray's object store (one copy per adapter version), unless the adapter's directory is
 shared by every node. A replica started later gets the live adapters before it takes
-traffic (a step the pool runs before marking it ready).
+traffic (a step the pool runs before marking it ready). Loading an adapter has a
+deadline (:class:`~torchrl_vllm_ext.deadlines.Deadline` of the adapter's bytes): a
+replica that does not answer in time is handled as dead (killed and restarted).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import ray
 
+from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.engine.adapters import Adapter, AdapterRegistry, read_files
 from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView
 
@@ -25,6 +28,8 @@ class LoraServing:
     Args:
         pool: the replicas.
         adapters: the registry requests name adapters from.
+        deadline: how long a replica may take to load an adapter (default
+            :class:`~torchrl_vllm_ext.deadlines.Deadline`).
 
     Examples:
         >>> from torchrl_vllm_ext.engine.config import ServiceConfig
@@ -35,9 +40,12 @@ class LoraServing:
         {}
     """
 
-    def __init__(self, pool: ReplicaPool, adapters: AdapterRegistry):
+    def __init__(
+        self, pool: ReplicaPool, adapters: AdapterRegistry, deadline: Deadline | None = None
+    ):
         self._pool = pool
         self._adapters = adapters
+        self._deadline = deadline or Deadline()
         # lora id -> its files in Ray's object store, for replicas on other nodes
         self._shipped: dict[int, asyncio.Future] = {}
         pool.before_traffic(self._load_live)
@@ -49,7 +57,10 @@ class LoraServing:
         no replica keeps it and ``name`` serves what it served before.
         """
         adapter, previous = self._adapters.add(name, path, shared)
-        loads = await self._pool.call_each(lambda v: self._load(v, adapter), what="add_lora")
+        limit = self._deadline.for_bytes(_nbytes(Path(path)))
+        loads = await self._pool.call_each(
+            lambda v: self._load(v, adapter), what="add_lora", deadline=limit
+        )
         if loads.errors or (loads.dead and not loads.results):
             await self._unload(adapter)
             if previous is not None:
@@ -88,6 +99,14 @@ class LoraServing:
     async def _unload(self, adapter: Adapter) -> None:
         self._shipped.pop(adapter.lora_id, None)
         await self._pool.call_all("remove_lora", adapter.lora_id)
+
+
+def _nbytes(path: Path) -> int:
+    """Bytes of the files of an adapter directory (0 if this host cannot read it)."""
+    try:
+        return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    except OSError:
+        return 0
 
 
 __all__ = ["LoraServing"]

@@ -9,7 +9,9 @@ through :meth:`ReplicaPool.call_each` (or :meth:`~ReplicaPool.call_all` /
     a replica that dies during a call is recorded (:meth:`ReplicaPool.deaths`),
     restarted in the background at the live weights, and reported to the caller as a
     :class:`~torchrl_vllm_ext.errors.ReplicaDeadError` naming it; the other replicas'
-    answers are kept.
+    answers are kept. A call made with a ``deadline`` treats a replica that does not
+    answer in time (frozen, hung in a collective) the same way: it is killed, recorded
+    and restarted.
 
 Everything except the snapshot readers runs on the service's event loop. Generation,
 LoRA serving and the weight-sync transports are clients of the pool; a transport sees
@@ -46,6 +48,10 @@ from torchrl_vllm_ext.errors import (
 from torchrl_vllm_ext.messages import ReplicaDeath, ReplicaInfo
 
 logger = logging.getLogger(__name__)
+
+
+class Unresponsive(Exception):
+    """A replica gave no answer within a call's deadline: it is handled as dead."""
 
 
 class ReplicaState(enum.Enum):
@@ -136,6 +142,7 @@ class ReplicaFleet(Protocol):
         *args: Any,
         replicas: Iterable[ReplicaView] | None = None,
         timeout: float | None = None,
+        deadline: float | None = None,
     ) -> Outcomes: ...
 
 
@@ -371,8 +378,10 @@ class ReplicaPool:
                     "replica %d did not shut down gracefully (%s); killing it", rec.replica_id, e
                 )
         if rec.actor is not None:
-            ray.kill(rec.actor, no_restart=True)
-        cluster.release(rec.pg)
+            # In a thread: killing a frozen (SIGSTOPped) actor takes Ray seconds, and the
+            # event loop carries every other call meanwhile.
+            await asyncio.to_thread(ray.kill, rec.actor, no_restart=True)
+        await asyncio.to_thread(cluster.release, rec.pg)
         rec.state = ReplicaState.STOPPED
         if self._records.get(rec.replica_id) is rec:
             del self._records[rec.replica_id]
@@ -405,18 +414,34 @@ class ReplicaPool:
         replicas: Iterable[ReplicaView] | None = None,
         what: str = "call",
         timeout: float | None = None,
+        deadline: float | None = None,
     ) -> Outcomes:
         """Await ``call(replica)`` on every ready replica (or ``replicas``) at once;
-        every outcome, with the death policy applied."""
+        every outcome, with the death policy applied.
+
+        ``timeout``: seconds after which a replica's call is given up, reported in
+        ``errors`` (the replica may just be busy). ``deadline``: seconds after which a
+        replica that has not answered counts as gone (``dead``): it is killed and
+        restarted like a replica that died.
+        """
         targets = self._ready if replicas is None else tuple(replicas)
+        limit = min(t for t in (timeout, deadline, float("inf")) if t is not None)
+        limit = None if limit == float("inf") else limit
 
         async def one(view: ReplicaView):
-            return await asyncio.wait_for(call(view), timeout)
+            try:
+                return await asyncio.wait_for(call(view), limit)
+            except TimeoutError as e:
+                if deadline is not None and limit == deadline:
+                    raise Unresponsive(
+                        f"no answer to {what} within its deadline of {deadline:.1f}s"
+                    ) from e
+                raise
 
         answers = await asyncio.gather(*(one(v) for v in targets), return_exceptions=True)
         out = Outcomes()
         for view, answer in zip(targets, answers, strict=True):
-            if isinstance(answer, DEATH_ERRORS):
+            if isinstance(answer, (*DEATH_ERRORS, Unresponsive)):
                 out.dead[view.replica_id] = self._died(view, answer, what)
             elif isinstance(answer, BaseException):
                 out.errors[view.replica_id] = actor_cause(answer)
@@ -430,10 +455,12 @@ class ReplicaPool:
         *args: Any,
         replicas: Iterable[ReplicaView] | None = None,
         timeout: float | None = None,
+        deadline: float | None = None,
     ) -> Outcomes:
-        """The replica actor's ``method(*args)`` on every ready replica (or ``replicas``)."""
+        """The replica actor's ``method(*args)`` on every ready replica (or ``replicas``);
+        ``timeout`` and ``deadline`` as in :meth:`call_each`."""
         return await self.call_each(
-            lambda v: getattr(v.handle, method).remote(*args), replicas, method, timeout
+            lambda v: getattr(v.handle, method).remote(*args), replicas, method, timeout, deadline
         )
 
     async def call(self, replica: ReplicaView, method: str, *args: Any) -> Any:
@@ -512,6 +539,8 @@ class ReplicaPool:
         self._died(view, error, what)
 
     async def _restart(self, rec: _Record) -> None:
+        # Let the caller that met the death get its error before the restart's work.
+        await asyncio.sleep(0)
         try:
             await self._stop(rec, graceful=False)
             await self._start_again(rec)

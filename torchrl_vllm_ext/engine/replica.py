@@ -19,13 +19,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._compat import (
     engine_dead_errors,
     lora_request,
     vllm_engine_api,
     vllm_validation_errors,
 )
-from torchrl_vllm_ext._files import private_dir
 from torchrl_vllm_ext.batches import PromptBatch, RequestBatch
 from torchrl_vllm_ext.engine.adapters import Adapter, stage_files
 from torchrl_vllm_ext.engine.base import Engine, check_pause_mode, engine_class
@@ -142,6 +142,8 @@ class VLLMReplica:
 
     async def start(self) -> ReplicaInfo:
         """Build the engine; return what the router and validators need to know."""
+        # A replica killed on this node (SIGKILL: no cleanup) left its shipped adapters.
+        await asyncio.to_thread(leftovers.reap)
         kwargs = {"enable_log_requests": False, "disable_log_stats": True}
         kwargs.update(self._engine_kwargs)
         api = vllm_engine_api()
@@ -261,7 +263,7 @@ class VLLMReplica:
         driver on another node; written to a private directory here first."""
         if files is not None:
             if self._shipped is None:
-                self._shipped = private_dir("torchrl-vllm-replica-adapters-")
+                self._shipped = leftovers.owned_dir("torchrl-vllm-replica-adapters-")
             adapter = stage_files(adapter, files, self._shipped)
         request = lora_request(adapter.name, adapter.lora_id, adapter.path)
         try:
@@ -428,6 +430,7 @@ class VLLMReplica:
             self.engine = None
         if self._shipped is not None:
             shutil.rmtree(self._shipped, ignore_errors=True)
+            self._shipped = None
 
     def _require_engine(self) -> Engine:
         if self.engine is None:

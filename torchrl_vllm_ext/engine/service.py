@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import ray
 
+from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._compat import vllm_engine_api
 from torchrl_vllm_ext.batches import RequestBatch
 from torchrl_vllm_ext.engine import cluster
@@ -97,6 +98,7 @@ class VLLMService:
     @classmethod
     def from_config(cls, config: ServiceConfig) -> VLLMService:
         """Start the replicas ``config`` describes and return the running service."""
+        leftovers.reap()  # what killed services, schemes and replicas left on this host
         svc = cls(config)
         try:
             # Ray is joined from the caller's thread: it installs signal handlers there.

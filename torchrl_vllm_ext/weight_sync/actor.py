@@ -32,3 +32,10 @@ class WeightSyncActorExtension:
         reader = self._readers.setdefault(root, SlotReader(root))
         manifest, _ = await asyncio.to_thread(reader.read, version)
         return manifest.version
+
+    async def release_storage(self, root: str) -> bool:
+        """Drop the mappings of ``root`` (its scheme closed: its memory can be freed)."""
+        reader = self._readers.pop(root, None)
+        if reader is not None:
+            reader.close()
+        return reader is not None

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-from torchrl_vllm_ext._files import fsync_path, private_dir
+from torchrl_vllm_ext import leftovers
+from torchrl_vllm_ext._files import fsync_path
 from torchrl_vllm_ext.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,9 @@ class AdapterSync:
         service: the :class:`~torchrl_vllm_ext.VLLMService`.
         name: adapter name prefix; version ``v`` is served as ``f"{name}@{v}"``.
         keep: versions kept live (the staleness bound + 1).
-        storage_dir: where versions are written (default: a private tmpfs directory).
+        storage_dir: where versions are written (default: a private tmpfs directory,
+            removed on :meth:`close`; in a given directory, close removes only the
+            version directories this sync wrote).
         shared: ``storage_dir`` is on a file system every node sees, so replicas on other
             nodes read it there; otherwise they get each version's files through Ray's
             object store.
@@ -170,14 +173,20 @@ class AdapterSync:
         if keep < 1:
             raise WeightSyncError(f"keep={keep} must be >= 1 (the newest version is live).")
         self.service, self.name, self.keep, self.shared = service, name, keep, shared
-        self.root = (
-            Path(storage_dir) if storage_dir is not None else private_dir("torchrl-vllm-adapters-")
-        )
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        leftovers.reap()  # directories of syncs that were killed
+        if storage_dir is None:
+            self.root = leftovers.owned_dir("torchrl-vllm-adapters-")
+            # Garbage collection or interpreter exit without close(): still removed.
+            self._cleanup = leftovers.remove_at_exit(self, self.root)
+        else:
+            self.root = Path(storage_dir)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._cleanup = None
         self._live: deque[str] = deque()  # versions, oldest first
         self._spec: dict | None = None
         self._names: dict | None = None
         self._retiring = None  # the last push's retirement (a future on the service loop)
+        self._written: set[str] = set()  # versions whose directory this sync wrote
         self.version: str | None = None
 
     @property
@@ -251,11 +260,16 @@ class AdapterSync:
         from safetensors.torch import save_file
 
         staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=self.root))
-        save_file(tensors, str(staging / "adapter_model.safetensors"))
-        (staging / "adapter_config.json").write_text(json.dumps(config, default=_jsonable))
-        for f in staging.iterdir():
-            fsync_path(f)
+        try:
+            save_file(tensors, str(staging / "adapter_model.safetensors"))
+            (staging / "adapter_config.json").write_text(json.dumps(config, default=_jsonable))
+            for f in staging.iterdir():
+                fsync_path(f)
+        except BaseException:  # a full disk, an interrupt: no half-written staging left
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         final = self.root / version
+        self._written.add(version)
         os.replace(staging, final)  # published: a replica never sees half an adapter
         fsync_path(self.root)
         return str(final)
@@ -272,7 +286,12 @@ class AdapterSync:
             except Exception:  # the service may already be gone
                 logger.debug("could not unload %s", self.lora_name(version), exc_info=True)
         self._live.clear()
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self._cleanup is not None:  # our own directory
+            self._cleanup()
+        else:  # the user's: only the versions written here (retired ones are gone already)
+            for version in self._written:
+                shutil.rmtree(self.root / version, ignore_errors=True)
+        self._written.clear()
 
     def __enter__(self) -> AdapterSync:
         return self

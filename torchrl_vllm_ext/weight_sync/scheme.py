@@ -35,6 +35,7 @@ import ray
 import torch
 from torch import nn
 
+from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.engine.base import check_pause_mode
 from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaView
 from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, WeightSyncError
@@ -119,8 +120,14 @@ class WeightSyncScheme:
             on a multi-host cluster, a directory every host shares.
         bucket_bytes: broadcast bucket size.
         pause_mode: how replicas pause during the load: ``abort``, ``wait`` or ``keep``.
-        timeout: seconds, the broadcast group's collective timeout (``timeout_s``, the
-            old name, still works and warns).
+        timeout: seconds, the fixed part of every deadline of a push (``deadline.fixed_s``;
+            ``timeout_s``, the old name, still works and warns).
+        deadline: how long each step of a push may wait on a replica:
+            ``fixed_s + bytes / min_bytes_per_s`` (:class:`~torchrl_vllm_ext.Deadline`;
+            default 60 s + 20 s per GB). A replica that has not answered by then (dead,
+            frozen, stuck in a collective) is killed, restarted at the live version and
+            named in a :class:`WeightSyncError`. With ``pause_mode="wait"`` the load
+            step waits for running requests, so it has no deadline.
         rollout: ``"parallel"`` loads every replica at once (shortest push);
             ``"rolling"`` (storage only) loads one replica at a time, so the others keep
             serving and each pause is shorter on machines the replicas share.
@@ -150,9 +157,10 @@ class WeightSyncScheme:
         storage_dir: str | Path | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         pause_mode: str = "abort",
-        timeout: float = 300.0,
+        timeout: float | None = None,
         rollout: str = "parallel",
         timeout_s: float | None = None,
+        deadline: Deadline | None = None,
         verify: bool | str = "first",
         verify_tol: float | None = None,
     ):
@@ -169,6 +177,10 @@ class WeightSyncScheme:
         if self.verify not in VERIFY:
             raise ConfigurationError(f"verify={verify!r} is not one of {VERIFY} (or a bool).")
         check_pause_mode(pause_mode)
+        deadline = deadline or Deadline()
+        if timeout is not None:
+            deadline = Deadline(fixed_s=timeout, min_bytes_per_s=deadline.min_bytes_per_s)
+        self.deadline = deadline
         self.service = service
         name, self.reason = choose_transport(service, transport, storage_dir)
         self.transport_impl = make_transport(
@@ -176,9 +188,10 @@ class WeightSyncScheme:
             service.pool,
             storage_dir=storage_dir,
             bucket_bytes=bucket_bytes,
-            timeout_s=timeout,
+            deadline=deadline,
         )
         if rollout == "rolling" and not self.transport_impl.loads_one_at_a_time:
+            self.transport_impl.close()  # nothing of a refused scheme stays
             raise ConfigurationError(
                 f"rollout='rolling' needs a transport whose replicas load one at a time; "
                 f"{name!r} reaches every replica in one collective. Use rollout='parallel' or "
@@ -195,6 +208,7 @@ class WeightSyncScheme:
         self._probe = probe_ids(service.config.model)
         self._reference_model: ReferenceModel | None = None
         self.version: str | None = None
+        self._nbytes = 0
         self.last_report: SyncReport | None = None
         self._lock = asyncio.Lock()
         logger.info("weight sync transport: %s (%s)", name, self.reason)
@@ -250,6 +264,7 @@ class WeightSyncScheme:
             )
         )
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         phases = {"validate": time.perf_counter() - start}
         reference = self._start_reference(weights, tensors, phases)
         replicas = list(self.service.pool.ready())
@@ -269,7 +284,7 @@ class WeightSyncScheme:
             )
         expected = await self._reference_or_rollback(reference, version)
         t_apply = time.perf_counter()
-        loads = await self._apply(replicas, call, version, expected, phases)  # 3) + 4)
+        loads = await self._apply(replicas, call, version, nbytes, expected, phases)  # 3) + 4)
         phases["apply"] = time.perf_counter() - t_apply
         phases["load"] = max((t["load_s"] for t in loads.results.values()), default=0.0)
         if not loads.results:  # 5) commit or roll back
@@ -364,11 +379,26 @@ class WeightSyncScheme:
         phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t0
 
     async def _apply(
-        self, replicas: Replicas, call, version: str, expected=None, phases: dict | None = None
+        self,
+        replicas: Replicas,
+        call,
+        version: str,
+        nbytes: int,
+        expected=None,
+        phases: dict | None = None,
     ) -> Outcomes:
+        # "wait" drains running requests first: no bound on that part of the pause.
+        deadline = None if self.pause_mode == "wait" else self.deadline.for_bytes(nbytes)
+
         async def load(group: Replicas) -> Outcomes:
             loaded = await self.service.pool.call_all(
-                "update_weights", call.method, call.args, version, self.pause_mode, replicas=group
+                "update_weights",
+                call.method,
+                call.args,
+                version,
+                self.pause_mode,
+                replicas=group,
+                deadline=deadline,
             )
             await self._verify(loaded, expected, version, phases if phases is not None else {})
             return loaded
@@ -412,7 +442,10 @@ class WeightSyncScheme:
         async with self._lock:
             if self.version is None or self.service.weights_provider is not self:
                 return
-            await self.transport_impl.bring_up(replica, self.version)
+            await asyncio.wait_for(  # a restart whose load hangs is retried by the pool
+                self.transport_impl.bring_up(replica, self.version),
+                self.deadline.for_bytes(self._nbytes),
+            )
             await replica.handle.set_weight_version.remote(self.version)
             await replica.handle.reset_prefix_cache.remote()  # the weights changed
             logger.info(

@@ -5,19 +5,26 @@ Writer: fill the idle slot in place (allocated once), then publish a manifest
 ``current.json``. Readers open only the published slot and verify it against the
 manifest, so a writer killed at any moment leaves readers on the last published
 version. Directories are 0700 and files 0600: the weights are the user's.
+
+The writer owns what it creates: :meth:`SlotWriter.close` (or interpreter exit)
+removes its slots and manifest, and the whole root when the writer made it (a
+private tmpfs directory by default, marked with its owner so a killed writer's
+slots are reaped by the next start: :mod:`torchrl_vllm_ext.leftovers`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
 
-from torchrl_vllm_ext._files import fsync_path, private_dir, write_text_atomic
+from torchrl_vllm_ext import leftovers
+from torchrl_vllm_ext._files import fsync_path, write_text_atomic
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest, TensorSpec, from_json, to_json
@@ -26,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 SLOTS = ("A", "B")
 CURRENT = "current.json"
+WEIGHTS_PREFIX = "torchrl-vllm-weights-"
+"""Name prefix of a writer's private root (its own directory in /dev/shm)."""
 
 
 def _key(name: str) -> str:
@@ -47,19 +56,47 @@ class SlotWriter:
 
     Examples:
         >>> import torch
-        >>> w = SlotWriter(private_dir("torchrl-vllm-weights-"))
+        >>> w = SlotWriter()  # a private directory in /dev/shm
         >>> manifest = w.write({"w": torch.ones(3)}, version="1")
         >>> read_published(w.root)[0].version
         '1'
+        >>> w.close()  # removes the directory it made
+        >>> w.root.exists()
+        False
+
+    Args:
+        root: the slots' directory. Default: a new private directory, removed on
+            :meth:`close`, garbage collection or interpreter exit. A given directory is
+            the user's: only :meth:`close` removes the writer's files in it (the slots
+            and the manifest), nothing else.
+        num_threads: copy and checksum threads.
     """
 
     def __init__(self, root: str | Path | None = None, num_threads: int = 4):
-        self.root = Path(root) if root is not None else private_dir("torchrl-vllm-weights-")
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._owns_root = root is None
+        if root is None:
+            self.root = leftovers.owned_dir(WEIGHTS_PREFIX)
+            # One owner, one cleanup: close(), garbage collection or interpreter exit.
+            self._cleanup = leftovers.remove_at_exit(self, self.root)
+        else:
+            self.root = Path(root)
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._cleanup = None
         os.chmod(self.root, 0o700)
         self.num_threads = num_threads
         self._slots: dict[str, TensorDict] = {}
         self._layout: tuple | None = None
+
+    def close(self) -> None:
+        """Unmap and remove the slots and the manifest (the whole root if this writer
+        made it). Idempotent; readers that still map a slot keep their pages until they
+        unmap."""
+        self._slots.clear()
+        self._layout = None
+        if self._cleanup is not None:
+            self._cleanup()
+        else:
+            _remove_slots(self.root)
 
     def _published_slot(self) -> str | None:
         try:
@@ -136,6 +173,18 @@ class SlotWriter:
         )
 
 
+def _remove_slots(root: Path) -> None:
+    """The writer's own files in a user's directory."""
+    for name in (*(f"slot-{s}" for s in SLOTS), CURRENT):
+        path = root / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink(missing_ok=True)
+    for tmp in root.glob(f".{CURRENT}.*.tmp"):  # a publish cut short
+        tmp.unlink(missing_ok=True)
+
+
 class SlotReader:
     """Worker side: reads and verifies the published slot, keeping each slot mapped once.
 
@@ -147,6 +196,10 @@ class SlotReader:
         self.root = Path(root)
         self.num_threads = num_threads
         self._maps: dict[str, TensorDict] = {}
+
+    def close(self) -> None:
+        """Drop the mappings (a removed slot's memory is freed once nobody maps it)."""
+        self._maps.clear()
 
     def read(
         self, expect_version: str | None = None, verify: bool = True

@@ -49,6 +49,14 @@ class WeightSyncWorkerExtension:
         self._tvllm_load(tensors.items(), manifest.version)
         return manifest.version
 
+    def release_weight_storage(self, path: str) -> bool:
+        """Drop this worker's mappings of ``path`` (its scheme closed: the memory of the
+        removed slots is freed once nobody maps them). The loaded weights are copies."""
+        reader = self.__dict__.get("_tvllm_readers", {}).pop(path, None)
+        if reader is not None:
+            reader.close()
+        return reader is not None
+
     def _tvllm_stage(self, version: str, produce) -> bool:
         """Run ``produce() -> [(name, tensor)]`` in a thread while the engine keeps generating."""
         staged: dict = {}

@@ -10,11 +10,13 @@ def make_transport(name: str, fleet, **options) -> Transport:
     if name == "storage":
         from torchrl_vllm_ext.weight_sync.transports.storage import StorageTransport
 
-        return StorageTransport(fleet, storage_dir=options.get("storage_dir"))
+        return StorageTransport(
+            fleet, storage_dir=options.get("storage_dir"), deadline=options.get("deadline")
+        )
     if name == "broadcast":
         from torchrl_vllm_ext.weight_sync.transports.broadcast import BroadcastTransport
 
         return BroadcastTransport(
-            fleet, bucket_bytes=options["bucket_bytes"], timeout_s=options["timeout_s"]
+            fleet, bucket_bytes=options["bucket_bytes"], deadline=options.get("deadline")
         )
     raise ValueError(f"no transport named {name!r}")

@@ -4,19 +4,25 @@ replica worker (NCCL on GPU, gloo on CPU; see :mod:`..collective`).
 ``prepare``: 1) pack same-dtype tensors into buckets; 2) form the group if its members
 changed; 3) one header per replica (``stage_weight_broadcast``): its workers receive and
 verify the buckets in a background thread while still generating; 4) one collective per
-bucket; 5) wait until every worker has verified. In the pause the workers only load
-(``load_staged_weights``). A collective cannot lose a member: a replica that dies
-during a push fails the push and the group is formed again on the next one.
+bucket while 5) every replica is polled until each of its workers has verified. In the
+pause the workers only load (``load_staged_weights``). A collective cannot lose a
+member: a replica that dies during a push, or leaves a poll unanswered for
+``deadline.answer_s`` (frozen), is killed and restarted by the pool, and the push fails
+naming it; the group is formed again on the next push. Every wait has a deadline
+(:class:`~torchrl_vllm_ext.deadlines.Deadline`): the group's collectives and the send
+``fixed_s + bytes / min_bytes_per_s``, the staging and each poll ``answer_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import ray
 import torch
 
+from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import WorkerMethods
 from torchrl_vllm_ext.weight_sync.collective import BroadcastGroup, listen
@@ -31,7 +37,10 @@ from torchrl_vllm_ext.weight_sync.transports.base import (
 )
 
 STAGED_POLL_S = 0.005
-"""Seconds between checks that every worker verified the staged buckets."""
+"""Seconds between checks that every worker verified the staged buckets, once sent."""
+SENDING_POLL_S = 0.25
+"""Seconds between the same checks while the buckets are being sent (a heartbeat: a
+replica that stops answering them is found while the send still runs)."""
 
 
 class BroadcastTransport(Transport):
@@ -40,7 +49,7 @@ class BroadcastTransport(Transport):
     Args:
         fleet: the replicas pushed to (a service's ``pool``).
         bucket_bytes: bucket size.
-        timeout_s: the group's collective timeout.
+        deadline: how long each step may wait (see the module docstring).
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="broadcast")  # doctest: +SKIP
@@ -51,11 +60,11 @@ class BroadcastTransport(Transport):
     name = "broadcast"
     loads_one_at_a_time = False
 
-    def __init__(self, fleet, bucket_bytes: int, timeout_s: float):
+    def __init__(self, fleet, bucket_bytes: int, deadline: Deadline | None = None):
         super().__init__(fleet)
         self.backend = "nccl" if torch.cuda.is_available() and fleet.uses_gpu else "gloo"
         self.bucket_bytes = bucket_bytes
-        self.timeout_s = timeout_s
+        self.deadline = deadline or Deadline()
         self.group: BroadcastGroup | None = None
         self._members: tuple = ()
         self._staged: tuple[str, list[torch.Tensor]] | None = None
@@ -67,43 +76,86 @@ class BroadcastTransport(Transport):
         t0 = time.perf_counter()
         header, buffers = await asyncio.to_thread(pack, tensors, version, self.bucket_bytes)  # 1)
         header_json = to_json(header)
+        limit = self.deadline.for_bytes(sum(b.numel() * b.element_size() for b in buffers))
         t1 = time.perf_counter()
-        await self._ensure_group(replicas)  # 2)
+        await self._ensure_group(replicas, limit)  # 2)
         staged = await self.fleet.call_all(  # 3)
-            "collective_rpc", WorkerMethods.STAGE_BROADCAST, (header_json,), replicas=replicas
+            "collective_rpc",
+            WorkerMethods.STAGE_BROADCAST,
+            (header_json,),
+            replicas=replicas,
+            deadline=self.deadline.answer_s,
         )
         self._check(staged, "stage", version)
         try:
-            await asyncio.to_thread(self.group.send, buffers)  # 4)
-        except Exception as e:
+            await self._send(buffers, replicas, version, limit)  # 4) and 5)
+        except BaseException:
             self._drop_group()
-            raise WeightSyncError(
-                f"broadcast of version {version} failed: {e}; replicas keep their weights."
-            ) from e
-        await self._wait_staged(replicas, version)  # 5)
+            raise
         self._staged = (header_json, buffers)
         phases.update(pack=t1 - t0, send=time.perf_counter() - t1)
         return WorkerCall(WorkerMethods.LOAD_STAGED, (version,))
 
+    async def _send(self, buffers, replicas: Replicas, version: str, limit: float) -> None:
+        """4) Broadcast the buckets (in a thread) while 5) polling every replica until
+        each worker verified them, all within ``limit`` seconds."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + limit
+        sending = asyncio.ensure_future(asyncio.to_thread(self.group.send, buffers))
+        # If a failed replica ends this push first, the send ends later (the killed
+        # member's sockets close, or the group's timeout): its error is not news then.
+        sending.add_done_callback(lambda f: f.cancelled() or f.exception())
+        while True:
+            left = end - loop.time()
+            ready = await self.fleet.call_all(
+                "collective_rpc",
+                WorkerMethods.STAGED_READY,
+                (version,),
+                replicas=replicas,
+                deadline=max(min(self.deadline.answer_s, left), 0.001),
+            )
+            self._check(ready, "receive", version)
+            received = all(all(per_worker) for per_worker in ready.results.values())
+            if sending.done():
+                if sending.exception() is not None:
+                    await self._send_failed(sending.exception(), replicas, version)
+                if received:
+                    return
+            if left <= 0:
+                waiting = sorted(rid for rid, w in ready.results.items() if not all(w))
+                raise WeightSyncError(
+                    f"broadcast of version {version} did not reach replica(s) {waiting} within "
+                    f"its deadline of {limit:.1f}s ({self.deadline}); no replica loaded it. "
+                    "Push again, or raise the deadline for a slower network."
+                )
+            await asyncio.sleep(STAGED_POLL_S if sending.done() else SENDING_POLL_S)
+
+    async def _send_failed(self, error: BaseException, replicas: Replicas, version: str):
+        """The trainer's send failed: a member died or stopped. Name it if a last poll
+        finds it (the death policy restarts it); raise in any case."""
+        last = await self.fleet.call_all(
+            "collective_rpc",
+            WorkerMethods.STAGED_READY,
+            (version,),
+            replicas=replicas,
+            deadline=self.deadline.answer_s,
+        )
+        self._check(last, "receive", version)
+        raise WeightSyncError(
+            f"broadcast of version {version} failed: {error}; replicas keep their weights."
+        ) from error
+
     def _check(self, outcomes: Outcomes, what: str, version: str) -> None:
         if outcomes.dead:
             self._drop_group()
+            causes = "; ".join(str(e) for e in outcomes.dead.values())
             raise WeightSyncError(
-                f"replica(s) {sorted(outcomes.dead)} died during {what} of version {version}; the "
-                "broadcast group is broken, so no replica loaded it. The service restarts the "
-                "dead replica(s); push again."
+                f"replica(s) {sorted(outcomes.dead)} died or stopped answering during {what} of "
+                f"version {version}; the broadcast group is broken, so no replica loaded it and "
+                f"every replica keeps its previous weights. The service restarts the dead "
+                f"replica(s) at the live version; push again. ({causes})"
             )
         raise_errors(outcomes, what, version)
-
-    async def _wait_staged(self, replicas: Replicas, version: str) -> None:
-        while True:
-            ready = await self.fleet.call_all(
-                "collective_rpc", WorkerMethods.STAGED_READY, (version,), replicas=replicas
-            )
-            self._check(ready, "receive", version)
-            if all(all(per_worker) for per_worker in ready.results.values()):
-                return
-            await asyncio.sleep(STAGED_POLL_S)
 
     async def commit(self, version: str) -> None:
         self._committed = self._staged
@@ -111,7 +163,8 @@ class BroadcastTransport(Transport):
     async def bring_up(self, replica, version: str) -> None:
         header_json, buffers = self._committed
         handle = replica.handle
-        group = await self._form_group([replica])
+        limit = self.deadline.for_bytes(sum(b.numel() * b.element_size() for b in buffers))
+        group = await self._form_group([replica], limit)
         try:
             ref = handle.collective_rpc.remote(WorkerMethods.RECEIVE_BROADCAST, (header_json,))
             await asyncio.to_thread(group.send, buffers)
@@ -121,7 +174,9 @@ class BroadcastTransport(Transport):
             group.close()
 
     # ------------------------------------------------------------------ the group
-    async def _form_group(self, replicas: Replicas) -> BroadcastGroup:
+    async def _form_group(self, replicas: Replicas, timeout_s: float) -> BroadcastGroup:
+        """Rank 0 here, every worker of ``replicas`` after it; collectives time out after
+        ``timeout_s``."""
         host = ray.util.get_node_ip_address()
         listener = listen(host)  # bound before the workers are told its port: no race
         port = listener.getsockname()[1]
@@ -130,23 +185,27 @@ class BroadcastTransport(Transport):
         joins = [
             r.handle.collective_rpc.remote(
                 WorkerMethods.INIT_BROADCAST,
-                (host, port, world, 1 + i * n, self.backend, self.timeout_s),
+                (host, port, world, 1 + i * n, self.backend, timeout_s),
             )
             for i, r in enumerate(replicas)
         ]
         # Rank 0's store blocks until every worker joined.
         group = await asyncio.to_thread(
-            BroadcastGroup, self.backend, host, port, world, self.timeout_s, listener
+            BroadcastGroup, self.backend, host, port, world, timeout_s, listener
         )
-        await asyncio.gather(*joins)
+        try:
+            await asyncio.wait_for(asyncio.gather(*joins), timeout_s)
+        except BaseException:
+            group.close()
+            raise
         return group
 
-    async def _ensure_group(self, replicas: Replicas) -> None:
-        members = tuple((r.replica_id, r.info.pid) for r in replicas)
+    async def _ensure_group(self, replicas: Replicas, timeout_s: float) -> None:
+        members = (timeout_s, *((r.replica_id, r.info.pid) for r in replicas))
         if self.group is not None and members == self._members:
             return
         self._drop_group()
-        self.group = await self._form_group(replicas)
+        self.group = await self._form_group(replicas, timeout_s)
         self._members = members
 
     def _drop_group(self) -> None:
@@ -154,7 +213,9 @@ class BroadcastTransport(Transport):
             for r in self.fleet.ready():
                 if (r.replica_id, r.info.pid) in self._members:
                     r.handle.collective_rpc.remote(WorkerMethods.CLOSE_BROADCAST)
-            self.group.close()
+            # NOTE: freeing a group whose member stopped answering blocks (the rendezvous
+            # store's shutdown waits on it): off the event loop, which serves everyone.
+            threading.Thread(target=self.group.close, name="tvllm-group-close", daemon=True).start()
         self.group, self._members = None, ()
 
     def close(self) -> None:

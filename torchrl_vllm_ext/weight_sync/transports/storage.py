@@ -5,16 +5,20 @@ checksums in one pass) and publishes its manifest atomically; 2) each replica ac
 checksums the published slot while its engine keeps generating. In the pause the
 workers only copy the slot in (``load_weights_from_storage(root, version, verified=True)``).
 A restarted replica loads the published slot, so a push that no replica loaded
-publishes the previous version again.
+publishes the previous version again. ``close`` has the replicas drop their mappings
+and removes the slots (see :class:`~..slots.SlotWriter`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import torch
 
+from torchrl_vllm_ext import leftovers
+from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import ActorMethods, WorkerMethods
 from torchrl_vllm_ext.weight_sync.params import require_finite
@@ -27,6 +31,8 @@ from torchrl_vllm_ext.weight_sync.transports.base import (
     raise_errors,
 )
 
+logger = logging.getLogger(__name__)
+
 
 class StorageTransport(Transport):
     """Weights through two memory-mapped TensorDict slots (see :mod:`..slots`).
@@ -35,6 +41,8 @@ class StorageTransport(Transport):
         fleet: the replicas pushed to (a service's ``pool``).
         storage_dir: root of the slots (default: a private tmpfs directory); on a
             multi-host cluster, a directory every host shares.
+        deadline: how long a replica may take to checksum the slot (a replica that
+            takes longer is handled as dead and the push goes on without it).
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
@@ -45,8 +53,10 @@ class StorageTransport(Transport):
     name = "storage"
     checks_finite = True
 
-    def __init__(self, fleet, storage_dir=None):
+    def __init__(self, fleet, storage_dir=None, deadline: Deadline | None = None):
         super().__init__(fleet)
+        self.deadline = deadline or Deadline()
+        leftovers.reap()  # slots of writers that were killed
         self.writer = SlotWriter(storage_dir)
         self._previous: SlotManifest | None = None
 
@@ -61,8 +71,13 @@ class StorageTransport(Transport):
         self._previous = self.writer.published()
         await asyncio.to_thread(self.writer.write, tensors, version, require_finite)  # 1)
         t1 = time.perf_counter()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         staged = await self.fleet.call_all(  # 2)
-            "extension_call", ActorMethods.STAGE_STORAGE, (self.root, version), replicas=replicas
+            "extension_call",
+            ActorMethods.STAGE_STORAGE,
+            (self.root, version),
+            replicas=replicas,
+            deadline=self.deadline.for_bytes(nbytes),
         )
         try:
             raise_errors(staged, "stage", version)
@@ -83,3 +98,13 @@ class StorageTransport(Transport):
         await replica.handle.collective_rpc.remote(
             WorkerMethods.LOAD_FROM_STORAGE, (self.root, version)
         )
+
+    def close(self) -> None:
+        """Have every replica drop its mappings of the slots, then remove them."""
+        for r in self.fleet.ready():  # fire and forget: a dead replica maps nothing
+            try:
+                r.handle.extension_call.remote(ActorMethods.RELEASE_STORAGE, (self.root,))
+                r.handle.collective_rpc.remote(WorkerMethods.RELEASE_STORAGE, (self.root,))
+            except Exception:  # Ray already shut down: the replicas are gone with it
+                logger.debug("could not ask replica %d to unmap %s", r.replica_id, self.root)
+        self.writer.close()

@@ -1,0 +1,42 @@
+"""Nothing left behind: a trainer that launches a service (its own Ray), pushes weights
+twice through storage, pushes two LoRA adapter versions (one retired) and closes
+everything leaves no directory in /dev/shm and no process of its Ray session.
+
+The trainer runs in a child process, so its Ray cluster is its own and the check sees
+exactly what it made (its directories carry a tag of their own in their owner marker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+from ..helpers import TRAINER_RUN, ours_tagged, processes_of, trainer_env, wait_until
+
+
+def test_launch_push_adapters_close_leaves_nothing(tiny_model, tmp_path):
+    tag = f"test-close-{uuid.uuid4().hex[:8]}"
+    run = subprocess.run(
+        [sys.executable, "-c", TRAINER_RUN, str(tiny_model), str(tmp_path), "close"],
+        env=trainer_env(tag),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    info = json.loads(run.stdout.strip().splitlines()[-1])
+    # It made a slot directory and an adapter directory, both in /dev/shm, both gone.
+    assert info["slots"].startswith("/dev/shm/torchrl-vllm-weights-")
+    assert info["adapters"].startswith("/dev/shm/torchrl-vllm-adapters-")
+    assert not os.path.exists(info["slots"]) and not os.path.exists(info["adapters"])
+    assert ours_tagged(tag) == []
+    # Every process of its Ray session (GCS, raylet, workers, the replica) is gone.
+    wait_until(
+        lambda: not processes_of(info["session"], info["replicas"]),
+        60,
+        interval=0.5,
+        what=f"the processes of {info['session']} to exit: {processes_of(info['session'])}",
+    )

@@ -1,0 +1,61 @@
+"""``torchrl-vllm doctor`` on a temp directory: lists our directories with their owners,
+``--clean`` removes only those whose owner is dead."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from torchrl_vllm_ext import leftovers
+from torchrl_vllm_ext.cli import build_parser
+
+
+def run(argv: list[str]) -> int:
+    """The subcommand as the command line parses it (without its logging set-up)."""
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+def dead_owner() -> leftovers.Owner:
+    """An owner that ran and exited (its pid is gone or names a later process)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    start = leftovers.process_start(proc.pid) or 1.0
+    proc.wait()
+    return leftovers.Owner(proc.pid, start, leftovers.Owner.me().host)
+
+
+def test_doctor_lists_and_cleans_only_the_dead(tmp_path, capsys):
+    mine = leftovers.owned_dir("torchrl-vllm-weights-", tmp_path)
+    (mine / "slot-A").mkdir()
+    (mine / "slot-A" / "w.memmap").write_bytes(b"x" * 1000)
+    dead = tmp_path / "torchrl-vllm-weights-dead"
+    dead.mkdir()
+    leftovers.mark(dead, dead_owner())
+    reused = tmp_path / "torchrl-vllm-adapters-reused"  # the pid lives, started earlier
+    reused.mkdir()
+    me = leftovers.Owner.me()
+    leftovers.mark(reused, leftovers.Owner(me.pid, me.start - 100.0, me.host))
+    elsewhere = tmp_path / "torchrl-vllm-weights-elsewhere"
+    elsewhere.mkdir()
+    leftovers.mark(elsewhere, leftovers.Owner(1, 0.0, "another-host"))
+    unmarked = tmp_path / "torchrl-vllm-weights-old"
+    unmarked.mkdir()
+    foreign = tmp_path / "not-ours"
+    foreign.mkdir()
+
+    assert run(["doctor", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "directories of ours" in out and ": 5" in out.splitlines()[0]
+    assert f"owner pid {os.getpid()}" in out and "alive" in out and "dead" in out
+    assert "no owner recorded" in out and "not-ours" not in out
+    assert "doctor --clean" in out
+    assert all(p.exists() for p in (mine, dead, reused, elsewhere, unmarked, foreign))
+
+    assert run(["doctor", "--dir", str(tmp_path), "--clean"]) == 0
+    out = capsys.readouterr().out
+    assert "removed 2 directories" in out
+    assert not dead.exists() and not reused.exists()
+    assert all(p.exists() for p in (mine, elsewhere, unmarked, foreign))
+    leftovers.remove_owned(mine)
+    assert not mine.exists()
