@@ -8,12 +8,14 @@ Model: a random Qwen2 of ~350 MB fp32 with ~290 tensors, served by two replicas.
 * (a) memcpy bandwidth of the same bytes (``torch`` copy into a preallocated buffer);
 * (b) one RPC plus one broadcast per parameter, the pattern of TorchRL's older updater:
   each worker receives, verifies and loads the parameter as it arrives, like a push;
-* (c) ``torch.save`` + ``torch.load`` of the state dict through tmpfs.
+* (c) ``torch.save`` + ``torch.load`` of the state dict through tmpfs;
+* the value check (``verify``): push time with it on and off, same scheme, alternating
+  which goes first each round, per transport (``verify_cost``: median on / median off).
 
-    python benchmarks/bench_sync.py [--repeats 5]
+    python benchmarks/bench_sync.py [--repeats 5] [--verify-only]
 
 Prints one JSON object. Targets: storage_vs_memcpy >= 0.25, broadcast_vs_per_param >= 10,
-storage pause <= half its push time.
+storage pause <= half its push time, verify on by default only if it costs < 10% of a push.
 """
 
 from __future__ import annotations
@@ -69,6 +71,33 @@ def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
         ray.get(refs)
 
 
+def verify_cost(svc, trainer, transport: str, repeats: int) -> dict:
+    """Push time with the value check on vs off, alternating which goes first each round."""
+    from torchrl_vllm_ext import WeightSyncScheme
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    phases: dict[str, list[float]] = {}
+    with WeightSyncScheme(svc, transport=transport, verify="always") as scheme:
+        scheme.push(trainer, version=f"verify-{transport}-warm")  # slots / group / reference
+        for i in range(repeats):
+            for verify in (True, False) if i % 2 == 0 else (False, True):
+                scheme.verify = "always" if verify else "never"
+                report = scheme.push(trainer, version=f"verify-{transport}-{i}-{verify}")
+                times[verify].append(report.seconds)
+                if verify:
+                    assert max(report.probe_gap.values()) <= scheme.verify_tol
+                    for k, v in report.phases.items():
+                        phases.setdefault(k, []).append(v)
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    return {
+        "push_s_verify_on": round(on, 3),
+        "push_s_verify_off": round(off, 3),
+        "verify_cost_s": round(on - off, 3),
+        "verify_cost": round(on / off, 3),
+        "phases_s_verify_on": {k: round(statistics.median(v), 3) for k, v in phases.items()},
+    }
+
+
 def main(args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -99,6 +128,7 @@ def main(args) -> dict:
         )
 
     results: dict = {}
+    verify: dict = {}
     with VLLMService.launch(
         model_dir,
         num_replicas=args.replicas,
@@ -108,6 +138,10 @@ def main(args) -> dict:
         enforce_eager=True,
         health_check_interval=0,
     ) as svc:
+        for transport in ("storage", "broadcast"):
+            verify[transport] = verify_cost(svc, trainer, transport, args.repeats)
+        if args.verify_only:
+            return {"benchmark": "weight_sync_verify", "model_mb": round(nbytes / 1e6, 1), **verify}
         for name, transport, rollout in RUNS:
             with WeightSyncScheme(svc, transport=transport, rollout=rollout) as scheme:
                 scheme.push(trainer, version=f"{name}-warm")  # allocate slots / form the group
@@ -159,6 +193,7 @@ def main(args) -> dict:
         "storage_vs_torch_save_load": round(save_load_s / results["storage"]["push_s"], 2),
         "storage_phases_s": results["storage"]["phases"],
         "broadcast_phases_s": results["broadcast"]["phases"],
+        "verify": verify,
     }
 
 
@@ -169,5 +204,8 @@ if __name__ == "__main__":
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="float32", help="bfloat16 on GPU")
+    parser.add_argument(
+        "--verify-only", action="store_true", help="only the value check's cost (on vs off)"
+    )
     logging.basicConfig(level=logging.WARNING)
     print(json.dumps(main(parser.parse_args()), indent=2))

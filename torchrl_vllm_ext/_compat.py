@@ -190,9 +190,47 @@ def inproc_shutdown(llm_engine) -> None:
 
 # ---------------------------------------------------------------------------- model workers
 def worker_reload_weights(worker, named_tensors) -> None:
-    """vLLM's layerwise reload on a worker: re-runs every layer's post-load processing."""
+    """vLLM's layerwise reload on a worker: re-runs every layer's post-load processing,
+    then what that reload leaves stale on CPU (a tied head's GEMM copy, prepacked experts)."""
     worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
-    _refresh_tied_lm_head(worker.get_model())
+    model = worker.get_model()
+    _refresh_tied_lm_head(model)
+    _prepack_cpu_experts(model)
+
+
+def _prepack_cpu_experts(model) -> int:
+    """Re-run vLLM-CPU's expert prepack on every MoE layer after a reload; returns how many.
+
+    NOTE: vLLM 0.32's ``UnquantizedFusedMoEMethod._setup_kernel`` prepacks the experts
+    for the CPU grouped GEMM (``cpu_moe.CPUUnquantizedExperts.process_weights_after_loading``)
+    only on the first load; on a weight update it copies the reloaded, unpacked experts
+    into the packed parameters and skips the prepack, so the kernel reads a layout it does
+    not expect (log-probs off by ~1-8). Running the experts' own post-load step again
+    packs what was just loaded. Expert widths must be multiples of the kernel's alignment
+    (32): a padded layer would not match the checkpoint's shapes after a reload.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():  # GPU kernels take updates in _setup_kernel itself
+        return 0
+    count = 0
+    for module in model.modules():
+        experts = _cpu_experts_kernel(module)
+        if experts is not None:
+            experts.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
+def _cpu_experts_kernel(module):
+    """The CPU experts kernel of a vLLM MoE layer, or None (not MoE, not CPU)."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    if experts is None:
+        return None
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return experts if isinstance(experts, CPUUnquantizedExperts) else None
 
 
 def _refresh_tied_lm_head(model) -> None:
@@ -210,12 +248,27 @@ def _refresh_tied_lm_head(model) -> None:
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
-_UNQUANTIZED_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+_UNQUANTIZED_METHODS = (
+    "UnquantizedLinearMethod",
+    "UnquantizedEmbeddingMethod",
+    "UnquantizedFusedMoEMethod",
+)
 
 
 def module_packs_weights(module) -> bool:
     """Whether a vLLM-CPU layer runs its GEMM through a kernel of its own (``cpu_linear``)."""
     return hasattr(module, "cpu_linear")
+
+
+def module_has_experts(module) -> bool:
+    """Whether a vLLM layer is a fused MoE layer (its experts stacked, in the kernel's layout).
+
+    Its kernel may keep the experts in a layout of its own (CPU prepack, GPU shuffles),
+    which only vLLM's reload (plus :func:`worker_reload_weights`'s fix-ups) re-derives.
+    """
+    from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+
+    return isinstance(getattr(module, "quant_method", None), FusedMoEMethodBase)
 
 
 def module_is_quantized(module) -> bool:

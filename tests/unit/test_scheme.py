@@ -12,10 +12,11 @@ from safetensors.torch import save_file
 
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView
-from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.messages import ReplicaInfo
 from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme
 from torchrl_vllm_ext.weight_sync.transports.base import Transport, WorkerCall
+from torchrl_vllm_ext.weight_sync.verify import model_logprobs
 
 WEIGHTS = {"model.w": torch.ones(2, 2)}
 
@@ -34,9 +35,11 @@ class Remote:
 
 
 class Replica:
-    def __init__(self, rid, fail_load=False):
+    def __init__(self, rid, fail_load=False, probe_offset=0.0):
         self.rid, self.fail_load, self.version = rid, fail_load, "0"
+        self.probe_offset = probe_offset  # a load that left the served weights wrong
         self.update_weights = Remote(self._update)
+        self.probe_logprobs = Remote(self._probe)
         self.set_weight_version = Remote(self._set)
         self.reset_prefix_cache = Remote(lambda: True)
 
@@ -49,6 +52,22 @@ class Replica:
     def _set(self, version):
         self.version = version
 
+    def _probe(self, ids):
+        return [v + self.probe_offset for v in model_logprobs(Trainer(), ids)]
+
+
+class Trainer(torch.nn.Module):
+    """A stand-in trainer model with WEIGHTS' names; its logits a fixed function of the ids."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.w = torch.nn.Parameter(torch.ones(2, 2))
+
+    def forward(self, input_ids):
+        scale = (input_ids[..., None] % 5 + 1).float()
+        return SimpleNamespace(logits=torch.arange(64).float() * 0.01 * scale)
+
 
 def view(replica: Replica) -> ReplicaView:
     info = ReplicaInfo(replica.rid, 0, "127.0.0.1", 256, 100, 4096)
@@ -59,7 +78,7 @@ class Service:
     """The service surface a scheme uses, over a real pool of stand-in actors."""
 
     def __init__(self, model_dir, replicas):
-        self.config = SimpleNamespace(model=str(model_dir))
+        self.config = ServiceConfig(model=str(model_dir), engine_kwargs={"dtype": "float32"})
         self.pool = ReplicaPool(ServiceConfig(model=str(model_dir)), "test")
         for r in replicas:
             self.pool.adopt(view(r))
@@ -101,13 +120,13 @@ class FakeTransport(Transport):
 @pytest.fixture
 def model_dir(tmp_path):
     save_file(WEIGHTS, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"vocab_size": 64}')
     return tmp_path
 
 
-def scheme_for(model_dir, replicas, rollout="parallel"):
+def scheme_for(model_dir, replicas, rollout="parallel", verify=False):
     service = Service(model_dir, replicas)
-    scheme = WeightSyncScheme(service, transport="storage", rollout=rollout)
+    scheme = WeightSyncScheme(service, transport="storage", rollout=rollout, verify=verify)
     scheme.transport_impl.close()
     scheme.transport_impl = FakeTransport(service)
     return service, scheme
@@ -166,3 +185,54 @@ def test_a_restarted_replica_is_brought_to_the_live_version(model_dir):
     scheme.push(WEIGHTS, version=6)
     asyncio.run(scheme.bring_up(view(fresh)))
     assert ("bring_up", 7, "6") in scheme.transport_impl.events and fresh.version == "6"
+
+
+def test_verification_by_value_passes_exact_replicas_and_records_the_gap(model_dir):
+    _service, scheme = scheme_for(model_dir, [Replica(0), Replica(1)], verify=True)
+    report = scheme.push(Trainer(), version=4)
+    assert report.probe_gap == {0: 0.0, 1: 0.0} and "reference" in report.phases
+    assert scheme.version == "4"
+
+
+@pytest.mark.parametrize("offset", [0.5, float("nan")])
+def test_a_replica_whose_probe_differs_fails_the_push_and_is_restarted(model_dir, offset):
+    # Replica 1 reports the version, but serves something else: only its probe says so.
+    service, scheme = scheme_for(
+        model_dir, [Replica(0), Replica(1, probe_offset=offset)], verify=True
+    )
+    discarded = []
+    service.pool.discard = lambda view, error, what: discarded.append((view.replica_id, error))
+    with pytest.raises(
+        WeightSyncError, match=r"replica 1 .*probe sequence differ.*replicas \[0\] loaded it"
+    ):
+        scheme.push(Trainer(), version=5)
+    assert [rid for rid, _ in discarded] == [1]
+    assert scheme.transport_impl.events[-1] == ("commit", "5")  # replica 0 serves it, verified
+
+
+def test_a_push_whose_every_replica_fails_the_probe_rolls_back(model_dir):
+    service, scheme = scheme_for(model_dir, [Replica(0, probe_offset=1.0)], verify=True)
+    service.pool.discard = lambda view, error, what: None
+    with pytest.raises(WeightSyncError, match="probe sequence differ"):
+        scheme.push(Trainer(), version=6)
+    assert scheme.transport_impl.events[-1] == ("rollback", "6") and scheme.version is None
+
+
+def test_by_default_only_the_first_successful_push_is_verified(model_dir):
+    _service, scheme = scheme_for(model_dir, [Replica(0)], verify="first")
+    assert scheme.push(Trainer(), version=7).probe_gap == {0: 0.0}
+    assert scheme.push(Trainer(), version=8).probe_gap == {}
+    with pytest.raises(ConfigurationError, match="verify='sometimes'"):
+        scheme_for(model_dir, [Replica(0)], verify="sometimes")
+
+
+def test_a_trainer_model_the_check_cannot_run_fails_before_any_load(model_dir):
+    class NotALanguageModel(Trainer):
+        def forward(self, input_ids):
+            raise TypeError("forward() takes a TensorDict")
+
+    service, scheme = scheme_for(model_dir, [Replica(0)], verify="always")
+    with pytest.raises(WeightSyncError, match="verify='never'"):
+        scheme.push(NotALanguageModel(), version=9)
+    assert service.replicas[0].version == "0"
+    assert scheme.transport_impl.events[-1] == ("rollback", "9")

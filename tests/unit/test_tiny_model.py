@@ -9,7 +9,12 @@ from torchrl_vllm_ext.testing import make_tiny_model
 
 @pytest.mark.parametrize(
     ("arch", "tie", "dtype"),
-    [("qwen2", True, "float32"), ("llama", False, "bfloat16")],
+    [
+        ("qwen2", True, "float32"),
+        ("llama", False, "bfloat16"),
+        ("mixtral", False, "float32"),
+        ("qwen3_moe", False, "float32"),
+    ],
 )
 def test_tiny_model_loads_in_transformers(tmp_path, arch, tie, dtype):
     path = make_tiny_model(tmp_path / "m", arch=arch, tie_word_embeddings=tie, dtype=dtype, seed=3)

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT, ENGINE_ENV_DEFAULTS
 from torchrl_vllm_ext.engine import placement
 from torchrl_vllm_ext.errors import InsufficientResourcesError, ReplicaDeadError
-from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV
+from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV, TEST_SKIP_LOAD_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -288,6 +288,8 @@ def process_env(res: ReplicaResources, config) -> dict[str, str | None]:
     }
     if res.num_workers == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # AsyncLLM keeps its engine-core process
+    if TEST_SKIP_LOAD_ENV in os.environ:  # a test's broken load (protocol.TEST_SKIP_LOAD_ENV)
+        env[TEST_SKIP_LOAD_ENV] = os.environ[TEST_SKIP_LOAD_ENV]
     return env
 
 

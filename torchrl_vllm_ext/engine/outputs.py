@@ -32,6 +32,12 @@ def _chosen_logprobs(flat, length: int) -> np.ndarray:
     return out
 
 
+def prompt_logprobs_of(output) -> list[float]:
+    """Log-probs a vLLM ``RequestOutput`` (asked for ``prompt_logprobs=0``) gives each
+    prompt token after the first."""
+    return _chosen_logprobs(output.prompt_logprobs, len(output.prompt_token_ids))[1:].tolist()
+
+
 def _cat(arrays: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
 

@@ -533,6 +533,11 @@ class ReplicaPool:
             f"{self.weight_version}."
         )
 
+    def discard(self, view: ReplicaView, error: BaseException, what: str) -> None:
+        """Restart a live replica that must not serve (its weights failed verification):
+        recorded and restarted as a death, at the pool's weight version."""
+        self._died(view, error, what)
+
     async def _restart(self, rec: _Record) -> None:
         # Let the caller that met the death get its error before the restart's work.
         await asyncio.sleep(0)

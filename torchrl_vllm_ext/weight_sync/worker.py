@@ -11,12 +11,14 @@ which maps Hugging Face names onto vLLM's fused and sharded parameters.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 import torch
 
 from torchrl_vllm_ext._compat import worker_reload_weights
 from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.protocol import TEST_SKIP_LOAD_ENV
 from torchrl_vllm_ext.weight_sync import cpu_layout
 from torchrl_vllm_ext.weight_sync.collective import make_process_group
 from torchrl_vllm_ext.weight_sync.packing import unpack
@@ -44,7 +46,7 @@ class WeightSyncWorkerExtension:
         ``version`` just before the pause (``WeightSyncActorExtension.stage_storage``).
         """
         manifest, tensors = self._tvllm_reader(path).read(version, verify=not verified)
-        self._tvllm_load(tensors.items())
+        self._tvllm_load(tensors.items(), manifest.version)
         return manifest.version
 
     def release_weight_storage(self, path: str) -> bool:
@@ -87,7 +89,7 @@ class WeightSyncWorkerExtension:
         self._tvllm_staged = (None, None, {})
         if "error" in staged:
             raise staged["error"]
-        self._tvllm_load(staged["result"])
+        self._tvllm_load(staged["result"], version)
         return version
 
     def _tvllm_staged_for(self, version: str):
@@ -128,7 +130,7 @@ class WeightSyncWorkerExtension:
     def receive_weight_broadcast(self, header_json: str) -> str:
         """Receive every bucket of one update, verify all, then load; returns the version."""
         header = from_json(header_json, UpdateHeader)
-        self._tvllm_load(self._tvllm_receive(header))
+        self._tvllm_load(self._tvllm_receive(header), header.version)
         return header.version
 
     def stage_weight_broadcast(self, header_json: str) -> bool:
@@ -176,13 +178,28 @@ class WeightSyncWorkerExtension:
         return group is not None
 
     # ------------------------------------------------------------------ shared
-    def _tvllm_load(self, named_tensors) -> None:
+    def _tvllm_load(self, named_tensors, version: str) -> None:
+        named_tensors = _skip_for_test(named_tensors, version)
         model = self.get_model()
         if cpu_layout.loads_in_place(model):
             # The model's own loader maps HF names onto fused/sharded parameters and
             # copies into them: the served tensors stay where they are.
             model.load_weights(iter(named_tensors))
             return
-        # Packed (CPU oneDNN) or quantized weights: vLLM's layerwise reload redoes the
-        # post-load processing of every layer.
+        # Packed (CPU oneDNN), expert (MoE) or quantized weights: vLLM's layerwise reload
+        # redoes the post-load processing of every layer (and _compat what it misses).
         worker_reload_weights(self, named_tensors)
+
+
+def _skip_for_test(named_tensors, version: str):
+    """Leave out the tensor a test names for ``version`` (:data:`TEST_SKIP_LOAD_ENV`)."""
+    knob = os.environ.get(TEST_SKIP_LOAD_ENV)
+    if not knob:
+        return named_tensors
+    skip_version, _, skip_name = knob.partition("=")
+    if skip_version != version:
+        return named_tensors
+    logger.warning(
+        "test hook %s: not loading %r of version %s", TEST_SKIP_LOAD_ENV, skip_name, version
+    )
+    return [(n, t) for n, t in named_tensors if n != skip_name]
