@@ -50,6 +50,7 @@ from torchrl_vllm_ext.weight_sync.verify import (
     default_tolerance,
     mean_gap,
     model_logprobs,
+    plain_causal_lm,
     probe_ids,
 )
 
@@ -320,7 +321,7 @@ class WeightSyncScheme:
 
         def run() -> list[float]:
             t0 = time.perf_counter()
-            if isinstance(weights, nn.Module) and callable(getattr(weights, "forward", None)):
+            if plain_causal_lm(weights):
                 out = model_logprobs(weights, self._probe)
             else:
                 if self._reference_model is None:

@@ -69,6 +69,22 @@ def model_logprobs(model: nn.Module, ids: list[int]) -> list[float]:
     return logp.gather(-1, x[0, 1:, None])[:, 0].cpu().tolist()
 
 
+def plain_causal_lm(weights) -> bool:
+    """Whether the pushed object's own forward computes what the engine serves: a module
+    with no forward hook anywhere (a hook that masks logits, as the demo's
+    ``restrict_vocabulary`` does, changes the function, not the weights). Anything else (a
+    hooked model, a state dict) is scored by the :class:`ReferenceModel` with the pushed
+    tensors.
+
+    Examples:
+        >>> plain_causal_lm({"w": torch.zeros(1)}), plain_causal_lm(nn.Linear(1, 1))
+        (False, True)
+    """
+    if not isinstance(weights, nn.Module) or not callable(getattr(weights, "forward", None)):
+        return False
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in weights.modules())
+
+
 class ReferenceModel:
     """The served architecture in transformers, for pushes given as tensors (not a model).
 

@@ -128,7 +128,10 @@ class BroadcastTransport(Transport):
                     f"its deadline of {limit:.1f}s ({self.deadline}); no replica loaded it. "
                     "Push again, or raise the deadline for a slower network."
                 )
-            await asyncio.sleep(STAGED_POLL_S if sending.done() else SENDING_POLL_S)
+            if sending.done():
+                await asyncio.sleep(STAGED_POLL_S)
+            else:  # a heartbeat while sending, but wake as soon as the send ends
+                await asyncio.wait({sending}, timeout=SENDING_POLL_S)
 
     async def _send_failed(self, error: BaseException, replicas: Replicas, version: str):
         """The trainer's send failed: a member died or stopped. Name it if a last poll
