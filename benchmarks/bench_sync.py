@@ -60,7 +60,8 @@ def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
 
     transport = scheme.transport_impl
     replicas = list(scheme.service.replicas())
-    scheme.service.run(transport._ensure_group(replicas))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    scheme.service.run(transport._ensure_group(replicas, transport.deadline.for_bytes(nbytes)))
     for name, t in tensors.items():
         header, buffers = pack({name: t}, "per-param")
         refs = [
