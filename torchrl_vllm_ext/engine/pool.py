@@ -425,8 +425,8 @@ class ReplicaPool:
         restarted like a replica that died.
         """
         targets = self._ready if replicas is None else tuple(replicas)
-        limit = min(t for t in (timeout, deadline, float("inf")) if t is not None)
-        limit = None if limit == float("inf") else limit
+        limits = [t for t in (timeout, deadline) if t is not None]
+        limit = min(limits) if limits else None
 
         async def one(view: ReplicaView):
             try:

@@ -107,14 +107,9 @@ class BroadcastTransport(Transport):
         sending.add_done_callback(lambda f: f.cancelled() or f.exception())
         while True:
             left = end - loop.time()
-            ready = await self.fleet.call_all(
-                "collective_rpc",
-                WorkerMethods.STAGED_READY,
-                (version,),
-                replicas=replicas,
-                deadline=max(min(self.deadline.answer_s, left), 0.001),
+            ready = await self._poll(
+                replicas, version, max(min(self.deadline.answer_s, left), 0.001)
             )
-            self._check(ready, "receive", version)
             received = all(all(per_worker) for per_worker in ready.results.values())
             if sending.done():
                 if sending.exception() is not None:
@@ -136,17 +131,23 @@ class BroadcastTransport(Transport):
     async def _send_failed(self, error: BaseException, replicas: Replicas, version: str):
         """The trainer's send failed: a member died or stopped. Name it if a last poll
         finds it (the death policy restarts it); raise in any case."""
-        last = await self.fleet.call_all(
+        await self._poll(replicas, version, self.deadline.answer_s)
+        raise WeightSyncError(
+            f"broadcast of version {version} failed: {error}; replicas keep their weights."
+        ) from error
+
+    async def _poll(self, replicas: Replicas, version: str, deadline: float) -> Outcomes:
+        """Ask every receiver whether its workers verified ``version``; a replica that
+        died or gave no answer within ``deadline`` fails the push, naming it."""
+        ready = await self.fleet.call_all(
             "collective_rpc",
             WorkerMethods.STAGED_READY,
             (version,),
             replicas=replicas,
-            deadline=self.deadline.answer_s,
+            deadline=deadline,
         )
-        self._check(last, "receive", version)
-        raise WeightSyncError(
-            f"broadcast of version {version} failed: {error}; replicas keep their weights."
-        ) from error
+        self._check(ready, "receive", version)
+        return ready
 
     def _check(self, outcomes: Outcomes, what: str, version: str) -> None:
         if outcomes.dead:
