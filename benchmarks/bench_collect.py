@@ -70,7 +70,11 @@ def run_sync(svc, scheme, trainer, args, env) -> dict:
 
     from torchrl_vllm_ext import VLLMPolicy, WeightSyncUpdater
 
-    policy = VLLMPolicy(svc, sampling_params={"max_tokens": args.max_tokens, "ignore_eos": True})
+    policy = VLLMPolicy(
+        svc,
+        input_mode="tokens",
+        sampling_params={"max_tokens": args.max_tokens, "ignore_eos": True},
+    )
     updater = WeightSyncUpdater(scheme)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -100,7 +104,11 @@ def run_async(svc, scheme, trainer, args, env) -> dict:
 
     from torchrl_vllm_ext import AsyncCollection, VLLMPolicy
 
-    policy = VLLMPolicy(svc, sampling_params={"max_tokens": args.max_tokens, "ignore_eos": True})
+    policy = VLLMPolicy(
+        svc,
+        input_mode="tokens",
+        sampling_params={"max_tokens": args.max_tokens, "ignore_eos": True},
+    )
     rb = ReplayBuffer(storage=LazyStackStorage(100_000))
     collection = AsyncCollection(
         env,
@@ -151,7 +159,7 @@ def run_overhead(svc, rounds: int) -> dict:
     calls = {"engine": lambda: svc.generate_request_batch(prompts, params)}
     collectors = []
     reference = ReferenceKL(
-        VLLMPolicy(svc, generate=False, log_probs_key="ref_log_probs", pad_output=True,
+        VLLMPolicy(svc, input_mode="tokens", generate=False, log_probs_key="ref_log_probs", pad_output=True,
                    pad_token_id=0)
     )  # fmt: skip
     ref_seconds: list[float] = []
@@ -160,7 +168,9 @@ def run_overhead(svc, rounds: int) -> dict:
         ("_padded", True, make_env()),
         ("_padded_reference", True, make_env().append_transform(reference)),
     ):
-        policy = VLLMPolicy(svc, sampling_params=sampling, pad_output=pad, pad_token_id=0)
+        policy = VLLMPolicy(
+            svc, input_mode="tokens", sampling_params=sampling, pad_output=pad, pad_token_id=0
+        )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The env passed to LLMCollector is missing")
             collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=128)

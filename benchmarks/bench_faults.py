@@ -320,7 +320,9 @@ def main(args) -> dict:
             sync=sync,
         )
         # 3) load
-        policy = VLLMPolicy(svc, sampling_params={"max_tokens": 4, "ignore_eos": True})
+        policy = VLLMPolicy(
+            svc, input_mode="tokens", sampling_params={"max_tokens": 4, "ignore_eos": True}
+        )
         asyncio.run(_load(svc, policy, 2.0))  # warm-up
         roles_start = rss_by_role(svc)
         rss_start = sum(roles_start.values())

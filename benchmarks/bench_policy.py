@@ -88,7 +88,7 @@ def main(args) -> dict:
     wrapper = vLLMWrapper(
         llm, tokenizer=tokenizer, input_mode="tokens", generate_kwargs=dict(sampling)
     )
-    policy = VLLMPolicy(svc, sampling_params=sampling)
+    policy = VLLMPolicy(svc, input_mode="tokens", sampling_params=sampling)
 
     def raw_vllm(_td):
         outs = llm.generate(token_prompts, raw_params, use_tqdm=False)

@@ -48,11 +48,14 @@ def vllm_engine_api() -> SimpleNamespace:
 
 def vllm_output_types() -> SimpleNamespace:
     """vLLM's output classes (to read replicas' outputs and rebuild them on the driver)."""
-    from vllm.logprobs import FlatLogprobs
+    from vllm.logprobs import FlatLogprobs, Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
 
     return SimpleNamespace(
-        RequestOutput=RequestOutput, CompletionOutput=CompletionOutput, FlatLogprobs=FlatLogprobs
+        RequestOutput=RequestOutput,
+        CompletionOutput=CompletionOutput,
+        FlatLogprobs=FlatLogprobs,
+        Logprob=Logprob,
     )
 
 

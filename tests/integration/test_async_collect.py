@@ -60,7 +60,9 @@ def fresh_batch(rb):
 
 
 def make_collection(service, scheme, rb, staleness: str, lag: int) -> AsyncCollection:
-    policy = VLLMPolicy(service, sampling_params={"max_tokens": 4, "temperature": 1.0})
+    policy = VLLMPolicy(
+        service, input_mode="tokens", sampling_params={"max_tokens": 4, "temperature": 1.0}
+    )
     return AsyncCollection(
         TokenCopyEnv(batch_size=(ENV_BATCH,), prompt_len=4, seed=0),
         policy,
@@ -127,7 +129,9 @@ def test_drop_filters_every_sample_to_the_bound(service, trainer):
 
 def test_keep_sync_mid_generation_tags_start_and_end(service, trainer):
     policy = VLLMPolicy(
-        service, sampling_params={"max_tokens": 240, "ignore_eos": True, "temperature": 1.0}
+        service,
+        input_mode="tokens",
+        sampling_params={"max_tokens": 240, "ignore_eos": True, "temperature": 1.0},
     )
     prompts = lazy_stack(
         [TensorDict({("tokens", "prompt"): torch.tensor([5 + i, 6, 7, 8])}) for i in range(2)]

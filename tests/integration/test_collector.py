@@ -57,7 +57,9 @@ def test_collect_update_rounds_then_grpo(service, tiny_model, trainer, scheme):
     from torchrl.collectors.llm import LLMCollector
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    policy = VLLMPolicy(service, sampling_params={"max_tokens": 6, "temperature": 1.0})
+    policy = VLLMPolicy(
+        service, input_mode="tokens", sampling_params={"max_tokens": 6, "temperature": 1.0}
+    )
     updater = WeightSyncUpdater(scheme)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # legacy weight_updater path
@@ -109,7 +111,7 @@ def test_update_without_weights_says_what_to_pass(service, restore_checkpoint):
         before = service.weight_version
         collector = LLMCollector(
             TokenCopyEnv(batch_size=(2,)),
-            policy=VLLMPolicy(service, sampling_params={"max_tokens": 2}),
+            policy=VLLMPolicy(service, input_mode="tokens", sampling_params={"max_tokens": 2}),
             dialog_turns_per_batch=2,
             weight_updater=WeightSyncUpdater(s),
             track_policy_version=True,

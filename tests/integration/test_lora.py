@@ -38,7 +38,7 @@ def lora_service(tiny_model, ray_cluster):
 
 
 def scored(service, lora=None) -> torch.Tensor:
-    policy = VLLMPolicy(service, generate=False, lora=lora)
+    policy = VLLMPolicy(service, input_mode="tokens", generate=False, lora=lora)
     td = TensorDict({("tokens", "full"): torch.tensor([SEQUENCE])}, batch_size=[1])
     return policy(td).get(("log_probs", "full"))[0, 1:]
 
@@ -57,7 +57,10 @@ def test_adapter_log_probs_equal_peft_on_every_replica(
     torch.testing.assert_close(scored(lora_service), base, atol=1e-4, rtol=0)
     # Sampling with the adapter: its log-probs are the adapter's.
     policy = VLLMPolicy(
-        lora_service, lora="a1", sampling_params={"max_tokens": 4, "temperature": 1.0}
+        lora_service,
+        input_mode="tokens",
+        lora="a1",
+        sampling_params={"max_tokens": 4, "temperature": 1.0},
     )
     out = policy(TensorDict({("tokens", "prompt"): torch.tensor([SEQUENCE[:4]])}, batch_size=[1]))
     full = out.get(("tokens", "full"))[0].tolist()
@@ -127,7 +130,7 @@ def test_adapter_pushes_serve_each_version_and_keep_the_last_k(lora_service, tin
     trainer = make_adapter(tiny_model, tmp_path / "init", seed=31)
     expected = {}
     with AdapterSync(lora_service, "policy", keep=2) as sync:
-        policy = VLLMPolicy(lora_service, generate=False, lora=sync)
+        policy = VLLMPolicy(lora_service, input_mode="tokens", generate=False, lora=sync)
         td = TensorDict({("tokens", "full"): torch.tensor([SEQUENCE])}, batch_size=[1])
         for version in (1, 2, 3):
             perturb_adapter(trainer, seed=100 + version)
@@ -141,7 +144,9 @@ def test_adapter_pushes_serve_each_version_and_keep_the_last_k(lora_service, tin
         # Work pinned to an older live version still gets that version.
         torch.testing.assert_close(scored(lora_service, "policy@2"), expected[2], atol=1e-4, rtol=0)
         # Generation tags each sample with the adapter version that made it.
-        sampler = VLLMPolicy(lora_service, lora=sync, sampling_params={"max_tokens": 2})
+        sampler = VLLMPolicy(
+            lora_service, input_mode="tokens", lora=sync, sampling_params={"max_tokens": 2}
+        )
         out = sampler(
             TensorDict({("tokens", "prompt"): torch.tensor([SEQUENCE[:4]])}, batch_size=[1])
         )

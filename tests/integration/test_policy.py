@@ -135,7 +135,7 @@ def test_batch_dims_preserved(service, shape):
     n = max(1, int(torch.Size(shape).numel()))
     tds = [TensorDict({("tokens", "prompt"): torch.tensor(PROMPTS[i % 3])}) for i in range(n)]
     td = tds[0] if not shape else lazy_stack([lazy_stack(tds[:2]), lazy_stack(tds[2:])])
-    out = VLLMPolicy(service, sampling_params=GREEDY)(td)
+    out = VLLMPolicy(service, input_mode="tokens", sampling_params=GREEDY)(td)
     assert out.batch_size == torch.Size(shape)
     last = out if not shape else out[1, 0]  # row-major: element 2
     assert last["tokens"].prompt.tolist() == PROMPTS[0 if not shape else 2]
@@ -144,7 +144,9 @@ def test_batch_dims_preserved(service, shape):
 def test_seed_and_overrides(service):
     td = tokens_td(False)
     td.set("seed", torch.tensor([1, 2, 1]))
-    policy = VLLMPolicy(service, sampling_params={"max_tokens": 8, "temperature": 1.0})
+    policy = VLLMPolicy(
+        service, input_mode="tokens", sampling_params={"max_tokens": 8, "temperature": 1.0}
+    )
     a = policy(td.clone())
     b = policy(td.clone())
     ra, rb = rows(a, ("tokens", "response")), rows(b, ("tokens", "response"))
@@ -154,8 +156,8 @@ def test_seed_and_overrides(service):
 
 
 def test_scoring_matches_transformers(service, hf_model):
-    gen = VLLMPolicy(service, sampling_params=GREEDY)(tokens_td(False))
-    scored = VLLMPolicy(service, generate=False)(gen)
+    gen = VLLMPolicy(service, input_mode="tokens", sampling_params=GREEDY)(tokens_td(False))
+    scored = VLLMPolicy(service, input_mode="tokens", generate=False)(gen)
     fulls = rows(scored, ("tokens", "full"))
     lps = rows(scored, ("log_probs", "full"))
     for full, lp in zip(fulls, lps, strict=True):
@@ -168,19 +170,21 @@ def test_scoring_matches_transformers(service, hf_model):
     ):
         torch.testing.assert_close(resp_lp, gen_lp, atol=1e-4, rtol=0)
     # Padded scoring of the padded layout gives the same numbers at the real positions.
-    gen_p = VLLMPolicy(service, pad_output=True, pad_token_id=0, sampling_params=GREEDY)(
-        tokens_td(True)
-    )
-    scored_p = VLLMPolicy(service, generate=False, pad_output=True, pad_token_id=0)(gen_p)
+    gen_p = VLLMPolicy(
+        service, input_mode="tokens", pad_output=True, pad_token_id=0, sampling_params=GREEDY
+    )(tokens_td(True))
+    scored_p = VLLMPolicy(
+        service, input_mode="tokens", generate=False, pad_output=True, pad_token_id=0
+    )(gen_p)
     mask = scored_p["masks"].all_attention_mask
     for i, lp in enumerate(lps):
         torch.testing.assert_close(scored_p["log_probs"].full[i][mask[i]], lp, atol=1e-4, rtol=0)
 
 
 def test_prompt_logprobs_while_generating(service, hf_model):
-    out = VLLMPolicy(service, sampling_params=GREEDY, return_prompt_log_probs=True)(
-        tokens_td(False)
-    )
+    out = VLLMPolicy(
+        service, input_mode="tokens", sampling_params=GREEDY, return_prompt_log_probs=True
+    )(tokens_td(False))
     for full, lp in zip(
         rows(out, ("tokens", "full")), rows(out, ("log_probs", "full")), strict=True
     ):
@@ -194,6 +198,7 @@ def test_grpo_loss_backward(service, hf_model, tokenizer, pad_output):
 
     policy = VLLMPolicy(
         service,
+        input_mode="tokens",
         pad_output=pad_output,
         num_samples=2,
         tokenizer=tokenizer,
@@ -205,7 +210,7 @@ def test_grpo_loss_backward(service, hf_model, tokenizer, pad_output):
 
 
 def test_async_calls_in_flight(service):
-    policy = VLLMPolicy(service, sampling_params=GREEDY)
+    policy = VLLMPolicy(service, input_mode="tokens", sampling_params=GREEDY)
 
     async def main():
         return await asyncio.gather(*(policy.aforward(tokens_td(False)) for _ in range(4)))
@@ -224,9 +229,11 @@ def test_bad_input_live(service, tokenizer):
     vocab = service.replica_info(service.replica_ids[0]).max_token_id
     td = TensorDict({("tokens", "prompt"): torch.tensor([[1, vocab + 1]])}, batch_size=[1])
     with pytest.raises(InvalidRequestError, match=r"\('tokens', 'prompt'\) row 0"):
-        VLLMPolicy(service)(td)
+        VLLMPolicy(service, input_mode="tokens")(td)
     # The service keeps serving.
-    assert VLLMPolicy(service, sampling_params=GREEDY)(tokens_td(False)).batch_size == (3,)
+    assert VLLMPolicy(service, input_mode="tokens", sampling_params=GREEDY)(
+        tokens_td(False)
+    ).batch_size == (3,)
 
 
 # ----------------------------------------------------------------------------- TorchRL parity
@@ -254,6 +261,7 @@ def test_same_keys_and_shapes_as_torchrl_vllm_wrapper(service, inproc_llm, token
     )(tokens_td(pad_output))
     ours = VLLMPolicy(
         service,
+        input_mode="tokens",
         pad_output=pad_output,
         tokenizer=tokenizer,
         return_prompt_log_probs=True,

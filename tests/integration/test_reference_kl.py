@@ -24,6 +24,7 @@ def tokenizer(tiny_model):
 def reference(service, tokenizer, pad_output: bool) -> ReferenceKL:
     ref = VLLMPolicy(
         service,
+        input_mode="tokens",
         generate=False,
         log_probs_key="ref_log_probs",
         pad_output=pad_output,
@@ -63,6 +64,7 @@ def test_collector_rollout_carries_reference_log_probs_and_kl(
     env = env.append_transform(reference(service, tokenizer, pad_output))
     policy = VLLMPolicy(
         service,
+        input_mode="tokens",
         pad_output=pad_output,
         tokenizer=tokenizer,
         sampling_params={"max_tokens": 4, "allowed_token_ids": env.task_token_ids},
@@ -97,6 +99,7 @@ def test_reference_of_grouped_samples(service, hf_model, tokenizer, pad_output):
     # num_samples=G gives a (B, G) output; the transform scores every sample.
     policy = VLLMPolicy(
         service,
+        input_mode="tokens",
         pad_output=pad_output,
         tokenizer=tokenizer,
         num_samples=2,
@@ -118,11 +121,11 @@ def test_reference_of_grouped_samples(service, hf_model, tokenizer, pad_output):
 
 def test_coeff_subtracts_the_kl_from_the_reward(service, tokenizer):
     ref = VLLMPolicy(
-        service, generate=False, log_probs_key="ref_log_probs", pad_output=True,
+        service, input_mode="tokens", generate=False, log_probs_key="ref_log_probs", pad_output=True,
         tokenizer=tokenizer,
     )  # fmt: skip
     env = TokenCountEnv(batch_size=(4,), seed=1).append_transform(ReferenceKL(ref, coeff=2.0))
-    policy = VLLMPolicy(service, pad_output=True, tokenizer=tokenizer,
+    policy = VLLMPolicy(service, input_mode="tokens", pad_output=True, tokenizer=tokenizer,
                         sampling_params={"max_tokens": 4, "ignore_eos": True})  # fmt: skip
     td = policy(env.reset())
     # A policy 0.5 nats less likely than the reference on each of its 4 response tokens.
@@ -137,4 +140,4 @@ def test_coeff_subtracts_the_kl_from_the_reward(service, tokenizer):
 
 def test_a_generating_reference_is_refused(service):
     with pytest.raises(ValueError, match="generate=False"):
-        ReferenceKL(VLLMPolicy(service))
+        ReferenceKL(VLLMPolicy(service, input_mode="tokens"))

@@ -49,6 +49,7 @@ class Ctx:
     tmp: Path
 
     def policy(self, **kwargs) -> VLLMPolicy:
+        kwargs.setdefault("input_mode", "tokens")
         return VLLMPolicy(self.service, sampling_params=OK, **kwargs)
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -182,8 +183,13 @@ CASES = [
      InvalidRequestError, "token id -5"),
     ("service: over-long prompt", lambda c: c.service.generate_request_data([[1] * 300], OK),
      InvalidRequestError, "300 tokens but max_model_len is 256"),
-    ("service: text instead of ids", lambda c: c.service.generate_request_data(["hello"], OK),
+    ("service: text into the token-id path", lambda c: c.service.generate_request_batch(["hello"], OK),
      InvalidRequestError, r"prompt 0 is a string \('hello'\)"),
+    ("service: prompt dict with an unserved key",
+     lambda c: c.service.generate({"prompt": "hi", "multi_modal_data": {}}, OK),
+     InvalidRequestError, r"\['multi_modal_data'\] are not served"),
+    ("service: lora_request that is not one", lambda c: c.service.generate([[1, 2]], OK, lora_request="x"),
+     InvalidRequestError, "lora_request='x' is not a vllm LoRARequest"),
     ("service: float ids", lambda c: c.service.generate_request_data([[1.5, 2.0]], OK),
      InvalidRequestError, "dtype float64; token ids must be integers"),
     ("service: 2-D array", lambda c: c.service.generate_request_data(np.ones((2, 3), dtype=np.int64), OK),
@@ -240,8 +246,9 @@ CASES = [
      InvalidRequestError, "n cannot be overridden"),
     ("policy: unknown input mode", lambda c: c.policy(input_mode="audio"),
      ConfigurationError, "'audio'"),
-    ("policy: text mode without a tokenizer", lambda c: c.policy(input_mode="text"),
-     ConfigurationError, "'text' needs a tokenizer"),
+    ("policy: token prompts in the default (history) mode",
+     lambda c: VLLMPolicy(c.service, sampling_params=OK)(tokens_td(torch.tensor([[5, 6]]))),
+     InvalidRequestError, r"no key \('history', 'prompt'\)"),
     ("policy: zero samples", lambda c: c.policy(num_samples=0),
      ConfigurationError, "num_samples=0"),
     # ---- weight sync
@@ -257,6 +264,8 @@ CASES = [
      WeightSyncError, "'model.norm.weight' has dtype torch.int64"),
     ("sync: a value that is not a tensor", lambda c: c.push(non_tensor(c)),
      WeightSyncError, r"weights\['model.norm.weight'\] is a list"),
+    ("sync: a vLLM policy instead of the trainer's model", lambda c: c.push(c.policy()),
+     WeightSyncError, "cannot push a VLLMPolicy"),
     ("sync: weights of an unsupported type", lambda c: c.push([1, 2, 3]),
      WeightSyncError, "weights of type list"),
     ("sync: unknown transport", lambda c: WeightSyncScheme(c.service, transport="pigeon"),

@@ -70,7 +70,7 @@ async def run_load(service, policy, duration: float) -> dict[str, int]:
 )
 def test_concurrent_load_without_deadlock_and_flat_memory(service, duration):
     wait_ready(service)
-    policy = VLLMPolicy(service, sampling_params=PARAMS)
+    policy = VLLMPolicy(service, input_mode="tokens", sampling_params=PARAMS)
     asyncio.run(run_load(service, policy, 2.0))  # warm-up: caches, pools, lazy imports
     rss_start = service_rss(service)
     counts = asyncio.run(run_load(service, policy, duration))

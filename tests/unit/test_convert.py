@@ -136,7 +136,7 @@ def prompts_td():
 
 def test_policy_unpadded_in_place():
     td = prompts_td()
-    out = VLLMPolicy(FakeService(), sampling_params={"max_tokens": 2})(td)
+    out = VLLMPolicy(FakeService(), input_mode="tokens", sampling_params={"max_tokens": 2})(td)
     assert out is td and out.get("query").tolist() == [0, 1]
     assert [f.tolist() for f in out.get(("tokens", "full"), as_list=True)] == [
         [5, 6, 7, 8, 9],
@@ -154,7 +154,11 @@ def test_policy_shapes(pad_output, num_samples, shape):
     if len(shape) == 2:
         td = lazy_stack([lazy_stack(rows[i * 3 : i * 3 + 3]) for i in range(2)])
     policy = VLLMPolicy(
-        FakeService(), pad_output=pad_output, num_samples=num_samples, pad_token_id=PAD
+        FakeService(),
+        input_mode="tokens",
+        pad_output=pad_output,
+        num_samples=num_samples,
+        pad_token_id=PAD,
     )
     out = policy(td)
     expect = torch.Size([*shape, num_samples] if num_samples else shape)
@@ -176,9 +180,13 @@ def test_policy_padded_input_with_mask_and_seed():
         },
         batch_size=[2],
     )
-    out = VLLMPolicy(svc, pad_output=True, pad_token_id=PAD, sampling_params={"max_tokens": 2})(
-        td, temperature=0.5
-    )
+    out = VLLMPolicy(
+        svc,
+        input_mode="tokens",
+        pad_output=True,
+        pad_token_id=PAD,
+        sampling_params={"max_tokens": 2},
+    )(td, temperature=0.5)
     assert [p.tolist() for p in svc.calls[0][0]] == [[5, 6], [7, 8, 9]]
     assert [(p["seed"], p["temperature"]) for p in svc.calls[0][1]] == [(11, 0.5), (12, 0.5)]
     assert out["tokens"].prompt.tolist() == [[0, 5, 6], [7, 8, 9]]
@@ -189,15 +197,15 @@ def test_policy_nested_input():
     nt = torch.nested.nested_tensor([torch.tensor([5, 6]), torch.tensor([7])], layout=torch.jagged)
     td = TensorDict({("tokens", "prompt"): nt}, batch_size=[2])
     svc = FakeService()
-    VLLMPolicy(svc)(td)
+    VLLMPolicy(svc, input_mode="tokens")(td)
     assert [p.tolist() for p in svc.calls[0][0]] == [[5, 6], [7]]
 
 
 def test_policy_scoring_unpadded():
     td = prompts_td()
-    gen = VLLMPolicy(FakeService(), sampling_params={"max_tokens": 2})(td)
+    gen = VLLMPolicy(FakeService(), input_mode="tokens", sampling_params={"max_tokens": 2})(td)
     svc = FakeService()
-    out = VLLMPolicy(svc, generate=False)(gen)
+    out = VLLMPolicy(svc, input_mode="tokens", generate=False)(gen)
     assert svc.calls[0][1]["prompt_logprobs"] == 0
     assert [p.tolist() for p in svc.calls[0][0]] == [[5, 6, 7, 8, 9], [8, 9, 10]]
     lp = out.get(("log_probs", "response"), as_list=True)
@@ -207,7 +215,7 @@ def test_policy_scoring_unpadded():
 
 def test_policy_async():
     svc = FakeService()
-    policy = VLLMPolicy(svc, sampling_params={"max_tokens": 2})
+    policy = VLLMPolicy(svc, input_mode="tokens", sampling_params={"max_tokens": 2})
 
     async def main():
         return await asyncio.gather(*(policy.aforward(prompts_td()) for _ in range(3)))
@@ -220,23 +228,25 @@ def test_policy_async():
 def test_errors_name_key_and_fix():
     svc = FakeService()
     with pytest.raises(InvalidRequestError, match=r"no key \('tokens', 'prompt'\)"):
-        VLLMPolicy(svc)(TensorDict({"x": torch.zeros(2)}, batch_size=[2]))
+        VLLMPolicy(svc, input_mode="tokens")(TensorDict({"x": torch.zeros(2)}, batch_size=[2]))
     with pytest.raises(InvalidRequestError, match=r"dtype torch.float32.*integers"):
-        VLLMPolicy(svc)(TensorDict({("tokens", "prompt"): torch.zeros(2, 3)}, batch_size=[2]))
+        VLLMPolicy(svc, input_mode="tokens")(
+            TensorDict({("tokens", "prompt"): torch.zeros(2, 3)}, batch_size=[2])
+        )
     ragged = TensorDict({("tokens", "prompt"): torch.tensor([[0, 5], [6, 7]])}, batch_size=[2])
     with pytest.raises(InvalidRequestError, match=r"pad id 0.*mask"):
-        VLLMPolicy(svc, pad_token_id=PAD)(ragged)
+        VLLMPolicy(svc, input_mode="tokens", pad_token_id=PAD)(ragged)
     oov = TensorDict({("tokens", "prompt"): torch.tensor([[3, 500]])}, batch_size=[1])
     with pytest.raises(InvalidRequestError, match=r"row 0 contains token id 500.*\[0, 499\]"):
-        VLLMPolicy(svc)(oov)
+        VLLMPolicy(svc, input_mode="tokens")(oov)
     with pytest.raises(ConfigurationError, match="needs a tokenizer"):
         VLLMPolicy(svc, input_mode="history")
     with pytest.raises(ConfigurationError, match="num_samples"):
-        VLLMPolicy(svc, sampling_params={"n": 2})
+        VLLMPolicy(svc, input_mode="tokens", sampling_params={"n": 2})
     with pytest.raises(ConfigurationError, match="pad id"):
-        VLLMPolicy(svc, pad_output=True)
+        VLLMPolicy(svc, input_mode="tokens", pad_output=True)
     with pytest.raises(InvalidRequestError, match="seed"):
-        VLLMPolicy(svc)(prompts_td().set("seed", torch.tensor([1.0, 2.0])))
+        VLLMPolicy(svc, input_mode="tokens")(prompts_td().set("seed", torch.tensor([1.0, 2.0])))
     assert svc.calls == []  # nothing reached the service
 
 

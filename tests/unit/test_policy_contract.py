@@ -80,18 +80,20 @@ def test_scoring_history_keeps_the_history_and_its_rendered_text(tokenizer, pad_
 def test_return_log_probs_false_drops_them(pad_output):
     td = TensorDict({("tokens", "prompt"): torch.tensor([[5, 6, 7]])}, batch_size=[1])
     service = fake_service()
-    policy = VLLMPolicy(service, return_log_probs=False, pad_output=pad_output, pad_token_id=0)
+    policy = VLLMPolicy(
+        service, input_mode="tokens", return_log_probs=False, pad_output=pad_output, pad_token_id=0
+    )
     out = policy(td)
     assert "log_probs" not in out.keys() and "log_probs" not in policy.out_keys
     assert service.log_probs_asked is False, "vLLM is not asked to compute them"
     assert out.get(("tokens", "response"), as_list=True)[0].numel() > 0
-    assert VLLMPolicy(fake_service(), return_log_probs=True).return_log_probs
+    assert VLLMPolicy(fake_service(), input_mode="tokens", return_log_probs=True).return_log_probs
     with pytest.raises(ConfigurationError, match="return_log_probs"):
-        VLLMPolicy(fake_service(), return_log_probs=False, generate=False)
+        VLLMPolicy(fake_service(), input_mode="tokens", return_log_probs=False, generate=False)
 
 
 def test_return_attributes_follow_the_mode(tokenizer):
-    tokens = VLLMPolicy(fake_service())
+    tokens = VLLMPolicy(fake_service(), input_mode="tokens")
     history = VLLMPolicy(fake_service(), input_mode="history", tokenizer=tokenizer)
     assert (tokens.return_text, tokens.return_history, tokens.return_tokens) == (False, False, True)
     assert (history.return_text, history.return_history, history.return_masks) == (True,) * 3
@@ -122,7 +124,7 @@ def test_a_wrong_history_type_is_a_type_error(tokenizer):
 
 
 def test_get_new_version_takes_retrieve_kl_one_tuple_keys():
-    policy = VLLMPolicy(fake_service(), num_samples=2)
+    policy = VLLMPolicy(fake_service(), input_mode="tokens", num_samples=2)
     scorer = policy.get_new_version(
         generate=False, return_log_probs=True, log_probs_key=("ref_log_probs",)
     )
@@ -133,6 +135,7 @@ def test_get_new_version_takes_retrieve_kl_one_tuple_keys():
 def test_generate_kwargs_take_torchrls_names():
     policy = VLLMPolicy(
         fake_service(),
+        input_mode="tokens",
         generate_kwargs={"max_new_tokens": 7, "num_return_sequences": 3, "temperature": 0.5},
     )
     sp = policy.sampling_params
@@ -140,8 +143,10 @@ def test_generate_kwargs_take_torchrls_names():
     assert policy.num_samples == 3
     out = policy(TensorDict({("tokens", "prompt"): torch.tensor([[5, 6]])}, batch_size=[1]))
     assert out.batch_size == (1, 3)
-    assert VLLMPolicy(fake_service(), generate_kwargs={"n": 2}).num_samples == 2
-    greedy = VLLMPolicy(fake_service(), generate_kwargs={"do_sample": False})
+    assert (
+        VLLMPolicy(fake_service(), input_mode="tokens", generate_kwargs={"n": 2}).num_samples == 2
+    )
+    greedy = VLLMPolicy(fake_service(), input_mode="tokens", generate_kwargs={"do_sample": False})
     assert greedy.sampling_params.temperature == 0.0
 
 
@@ -159,14 +164,19 @@ def test_generate_kwargs_take_torchrls_names():
 )
 def test_bad_sampling_values_fail_at_construction(options, match):
     with pytest.raises(ConfigurationError, match=match):
-        VLLMPolicy(fake_service(), **options)
+        VLLMPolicy(fake_service(), input_mode="tokens", **options)
 
 
 def test_flat_input_keys(tokenizer):
     from torchrl.data.llm import History
 
     ids = TensorDict({"input_ids": torch.tensor([[5, 6, 7]])}, batch_size=[1])
-    out = VLLMPolicy(fake_service(), input_key="input_ids", sampling_params={"max_tokens": 2})(ids)
+    out = VLLMPolicy(
+        fake_service(),
+        input_mode="tokens",
+        input_key="input_ids",
+        sampling_params={"max_tokens": 2},
+    )(ids)
     assert out.get(("tokens", "prompt"), as_list=True)[0].tolist() == [5, 6, 7]
 
     texts = TensorDict({"text": ["the cat", "one"]}, batch_size=[2])

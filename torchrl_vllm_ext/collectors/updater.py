@@ -16,6 +16,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from torchrl_vllm_ext.errors import ConfigurationError
+from torchrl_vllm_ext.weight_sync.versions import collector_next_version
 
 with warnings.catch_warnings():
     # NOTE: subclassing WeightUpdaterBase warns that it is deprecated in favour of
@@ -46,7 +47,7 @@ with warnings.catch_warnings():
             >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
             >>> collector = LLMCollector(
             ...     TokenCopyEnv(batch_size=(4,)),
-            ...     policy=VLLMPolicy(service, sampling_params={"max_tokens": 8}),
+            ...     policy=VLLMPolicy(service, input_mode="tokens", sampling_params={"max_tokens": 8}),
             ...     dialog_turns_per_batch=4,
             ...     weight_updater=WeightSyncUpdater(scheme),
             ...     track_policy_version=True,
@@ -68,17 +69,7 @@ with warnings.catch_warnings():
 
         def next_version(self) -> int:
             """The version the next push is served as."""
-            collector = self.collector
-            current = collector.policy_version if collector is not None else None
-            if current is None:
-                return self._pushes + 1
-            if isinstance(current, bool) or not isinstance(current, int):
-                raise ConfigurationError(
-                    f"the collector's policy version is {current!r}; WeightSyncUpdater needs "
-                    "integer versions to serve the next one: use track_policy_version=True "
-                    "(not a PolicyVersion(version_type='uuid'))."
-                )
-            return current + 1
+            return collector_next_version(self.collector, self._pushes)
 
         def all_worker_ids(self) -> None:
             # One push reaches every replica of the service: no per-worker loop.
@@ -86,11 +77,12 @@ with warnings.catch_warnings():
 
         def _maybe_map_weights(self, policy_or_weights):
             if isinstance(policy_or_weights, nn.Module | Mapping | TensorDictBase):
-                return policy_or_weights
+                return policy_or_weights  # the scheme unwraps TorchRL and PEFT models
             raise ConfigurationError(
                 "collector.update_policy_weights_ needs the trainer's weights: pass the "
-                "transformers model, its state dict or a TensorDict of them, got "
-                f"{type(policy_or_weights).__name__} (the vLLM policy holds no weights to read)."
+                "transformers model (or TorchRL's TransformersWrapper, or a PEFT model), its "
+                f"state dict or a TensorDict of them, got {type(policy_or_weights).__name__} "
+                "(the vLLM policy holds no weights to read)."
             )
 
         def _sync_weights_with_worker(self, *, worker_id=None, server_weights) -> None:

@@ -96,26 +96,36 @@ def pack_outputs(
     )
 
 
-def _flat(token_ids: np.ndarray, logprobs: np.ndarray, skip_first: bool = False):
-    """vLLM's ``FlatLogprobs`` with one entry per position: the chosen token and its log-prob.
+def _positions(token_ids: np.ndarray, logprobs: np.ndarray, flat: bool, skip_first: bool = False):
+    """Per position, the chosen token and its log-prob, in vLLM's form: ``FlatLogprobs``
+    (``flat``) or a list of ``{token id: Logprob}`` (vLLM's default); the top-k
+    alternatives vLLM may add are not kept by the replicas.
 
-    With ``skip_first`` (prompt log-probs) position 0 has no entry, as in vLLM.
+    With ``skip_first`` (prompt log-probs) position 0 has no entry (None), as in vLLM.
     """
+    types = vllm_output_types()
     first = 1 if skip_first and len(token_ids) else 0
-    n = len(token_ids) - first
+    ids, lps = token_ids[first:].tolist(), logprobs[first:].tolist()
+    if not flat:
+        return [None] * first + [
+            {t: types.Logprob(logprob=lp, rank=None, decoded_token=None)}
+            for t, lp in zip(ids, lps, strict=True)
+        ]
+    n = len(ids)
     bounds = list(range(n + 1))
-    return vllm_output_types().FlatLogprobs(
+    return types.FlatLogprobs(
         start_indices=[0] * first + bounds[:-1],
         end_indices=[0] * first + bounds[1:],
-        token_ids=token_ids[first:].tolist(),
-        logprobs=logprobs[first:].tolist(),
+        token_ids=ids,
+        logprobs=lps,
         ranks=[None] * n,
         decoded_tokens=[None] * n,
     )
 
 
-def to_request_output(data: RequestData, request_id: str):
-    """A finished vLLM ``RequestOutput`` carrying the same tokens and log-probs."""
+def to_request_output(data: RequestData, request_id: str, flat_logprobs: bool = False):
+    """A finished vLLM ``RequestOutput`` carrying the same tokens and log-probs, these in
+    vLLM's default form (a list of dicts) or, with ``flat_logprobs``, a ``FlatLogprobs``."""
     vllm = vllm_output_types()
     completions = [
         vllm.CompletionOutput(
@@ -123,14 +133,16 @@ def to_request_output(data: RequestData, request_id: str):
             text=s.text,
             token_ids=s.token_ids.tolist(),
             cumulative_logprob=float(s.logprobs.sum()) if s.logprobs is not None else None,
-            logprobs=_flat(s.token_ids, s.logprobs) if s.logprobs is not None else None,
+            logprobs=_positions(s.token_ids, s.logprobs, flat_logprobs)
+            if s.logprobs is not None
+            else None,
             finish_reason=s.finish_reason,
             stop_reason=s.stop_reason,
         )
         for index, s in enumerate(data.samples)
     ]
     prompt_lp = (
-        _flat(data.prompt_token_ids, data.prompt_logprobs, skip_first=True)
+        _positions(data.prompt_token_ids, data.prompt_logprobs, flat_logprobs, skip_first=True)
         if data.prompt_logprobs is not None
         else None
     )

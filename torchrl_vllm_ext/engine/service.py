@@ -34,7 +34,15 @@ from torchrl_vllm_ext.engine.loop import LoopThread
 from torchrl_vllm_ext.engine.lora_serving import LoraServing
 from torchrl_vllm_ext.engine.outputs import to_request_output
 from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView, WeightsProvider
+from torchrl_vllm_ext.engine.prompt_forms import parse_prompts, text_encoder
+from torchrl_vllm_ext.engine.torchrl_engine import (
+    actor_style,
+    register_engine,
+    register_engine_if_loaded,
+)
+from torchrl_vllm_ext.engine.torchrl_engine import lora_name as _lora_name
 from torchrl_vllm_ext.errors import ConfigurationError, ServiceClosedError
+from torchrl_vllm_ext.hf import load_tokenizer
 from torchrl_vllm_ext.messages import ReplicaDeath, ReplicaInfo, ReplicaStats, RequestData
 
 T = TypeVar("T")
@@ -66,6 +74,8 @@ class VLLMService:
         self._lora = LoraServing(self.pool, adapters)
         self._owns_ray = False
         self._closed = False
+        self._tokenizer = None
+        self._engine_updates = None  # TorchRL's engine calls: a scheme made on first use
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -115,7 +125,7 @@ class VLLMService:
         await self.pool.open()
         # The driver's first vLLM import (SamplingParams: ~4 s on 2 cores) runs while the
         # replicas start, not at the first request.
-        importing = asyncio.ensure_future(asyncio.to_thread(vllm_engine_api))
+        importing = asyncio.ensure_future(asyncio.to_thread(_driver_imports))
         await self.pool.start(self.config.num_replicas, "starting vLLM replicas")
         await importing
         self.pool.start_health_checks()
@@ -126,6 +136,8 @@ class VLLMService:
             return
         self._closed = True
         try:
+            if self._engine_updates is not None:
+                self._engine_updates.close()
             self._loop.run(self.pool.close(), timeout=300)
         finally:
             self._loop.close()
@@ -145,54 +157,118 @@ class VLLMService:
         await asyncio.to_thread(self.shutdown)
 
     # ------------------------------------------------------------------ generation
+    @actor_style
     def generate(
         self,
-        prompt_token_ids,
+        prompts,
         sampling_params=None,
         *,
         timeout: float | None = None,
         routing: str | Sequence[str] | None = None,
         lora: str | None = None,
+        lora_request=None,
+        tokenization_kwargs: dict | None = None,
+        use_tqdm: Any = None,
     ) -> list:
-        """Generate for a batch of token-id prompts; vLLM ``RequestOutput``s in input order.
+        """Generate, as ``vllm.LLM.generate`` does: vLLM ``RequestOutput``s in input order.
 
         Args:
-            prompt_token_ids: a list of 1-D token-id sequences.
+            prompts: one prompt or a list of them, each a string, a list of token ids (or a
+                1-D array / tensor), a ``TokensPrompt`` or a ``TextPrompt`` dict; text is
+                tokenized with :meth:`get_tokenizer` (special tokens added, as vLLM does).
             sampling_params: a ``vllm.SamplingParams``, a dict of its fields, or a list
                 with one per prompt. Sampled-token log-probs are always returned.
             timeout: seconds; on expiry the requests are aborted inside vLLM and
                 :class:`~torchrl_vllm_ext.errors.GenerationTimeoutError` is raised.
             routing: override the service's routing strategies for this batch.
             lora: name of a LoRA adapter added with :meth:`add_lora` (None: base weights).
+            lora_request: vLLM's form of ``lora``: a ``LoRARequest`` whose ``lora_name``
+                was added with :meth:`add_lora`.
+            tokenization_kwargs: for the text prompts (e.g. ``{"add_special_tokens": False}``).
+            use_tqdm: accepted for ``vllm.LLM.generate`` callers; the service shows no bar.
+
+        ``svc.generate.remote(...)`` returns a Ray ``ObjectRef`` of the same list, so code
+        written for a Ray actor (TorchRL's ``vLLMWrapper``) takes the service.
         """
+        parsed = parse_prompts(prompts, self._encoder(tokenization_kwargs))
         batch = self.generate_request_batch(
-            prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
+            parsed.token_ids,
+            sampling_params,
+            timeout=timeout,
+            routing=routing,
+            lora=_lora_name(lora, lora_request),
         )
-        return [to_request_output(d, f"{self.name}-{i}") for i, d in enumerate(batch.unpack())]
+        return self._request_outputs(batch, parsed.texts, sampling_params)
 
     async def agenerate(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
+        self,
+        prompts,
+        sampling_params=None,
+        *,
+        timeout=None,
+        routing=None,
+        lora=None,
+        lora_request=None,
+        tokenization_kwargs=None,
+        use_tqdm=None,
     ) -> list:
         """Async :meth:`generate`."""
+        parsed = parse_prompts(prompts, self._encoder(tokenization_kwargs))
         batch = await self.agenerate_request_batch(
-            prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
+            parsed.token_ids,
+            sampling_params,
+            timeout=timeout,
+            routing=routing,
+            lora=_lora_name(lora, lora_request),
         )
-        return [to_request_output(d, f"{self.name}-{i}") for i, d in enumerate(batch.unpack())]
+        return self._request_outputs(batch, parsed.texts, sampling_params)
+
+    def _request_outputs(self, batch: RequestBatch, texts: list[str | None], params) -> list:
+        # Log-probs in the form each request asked for (vLLM's default: a list of dicts).
+        flat = [_wants_flat(p) for p in params] if isinstance(params, list | tuple) else None
+        outputs = []
+        for i, (data, text) in enumerate(zip(batch.unpack(), texts, strict=True)):
+            out = to_request_output(
+                data, f"{self.name}-{i}", flat[i] if flat else _wants_flat(params)
+            )
+            out.prompt = text
+            outputs.append(out)
+        return outputs
+
+    def _encoder(self, tokenization_kwargs):
+        return lambda texts: text_encoder(self.get_tokenizer(), tokenization_kwargs)(texts)
+
+    def get_tokenizer(self):
+        """The served model's tokenizer (``transformers.AutoTokenizer``, loaded once): what
+        TorchRL's ``vLLMWrapper`` and :class:`~torchrl_vllm_ext.VLLMPolicy` read by default."""
+        if self._tokenizer is None:
+            source = self.config.engine_kwargs.get("tokenizer") or self.config.model
+            self._tokenizer = load_tokenizer(source, "tokenizer")
+        return self._tokenizer
+
+    def remote(self, method: str, *args, **kwargs) -> ray.ObjectRef:
+        """Ray-actor style call: a Ray ``ObjectRef`` of ``getattr(svc, method)(*args, **kwargs)``
+        (run now, in this process). With ``generate.remote``, what makes the service pass
+        for a Ray actor where TorchRL expects one (``vLLMWrapper``)."""
+        return ray.put(getattr(self, method)(*args, **kwargs))
 
     def generate_request_data(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
+        self, prompts, sampling_params=None, *, timeout=None, routing=None, lora=None
     ) -> list[RequestData]:
-        """Like :meth:`generate` but returns plain :class:`RequestData` (numpy arrays)."""
+        """Like :meth:`generate` (every prompt form) but returns plain :class:`RequestData`
+        (numpy arrays)."""
+        parsed = parse_prompts(prompts, self._encoder(None))
         return self.generate_request_batch(
-            prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
+            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
         ).unpack()
 
     async def agenerate_request_data(
-        self, prompt_token_ids, sampling_params=None, *, timeout=None, routing=None, lora=None
+        self, prompts, sampling_params=None, *, timeout=None, routing=None, lora=None
     ) -> list[RequestData]:
         """Async :meth:`generate_request_data`."""
+        parsed = parse_prompts(prompts, self._encoder(None))
         batch = await self.agenerate_request_batch(
-            prompt_token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
+            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
         )
         return batch.unpack()
 
@@ -208,6 +284,7 @@ class VLLMService:
     ) -> RequestBatch:
         """Like :meth:`generate` but returns one :class:`RequestBatch` of flat arrays, in
         input order: the fastest form, which ``VLLMPolicy`` converts to a TensorDict.
+        ``prompt_token_ids`` is a list of token-id sequences (no text: the hot path).
 
         ``return_log_probs=False`` skips vLLM's sampled-token log-probs (NaN in the batch).
         """
@@ -438,6 +515,50 @@ class VLLMService:
         """Drop every replica's prefix cache."""
         self._call_all("reset_prefix_cache")
 
+    # ------------------------------------------------------------------ TorchRL's engine
+    # TorchRL's RLvLLMEngine interface (torchrl.modules.llm.backends.vllm.base), so that
+    # vLLMUpdaterV2(service) pushes through a WeightSyncScheme the service makes on first
+    # use (transport "auto"; every push verified by value on the first one, versioned).
+    def get_tp_size(self) -> int:
+        """Tensor-parallel size of each replica."""
+        return self.config.tensor_parallel_size
+
+    def get_model_metadata(self) -> dict[str, tuple[Any, Any]]:
+        """``{name: (torch dtype, torch.Size)}`` of every tensor of the served checkpoint:
+        what a push must provide (tied LM heads are not in it)."""
+        return self._updates().metadata()
+
+    def get_master_address(self) -> str:
+        """This host's address, where a broadcast push's group has rank 0."""
+        return self._updates().master_address()
+
+    def get_master_port(self) -> int:
+        """The broadcast group's port once :meth:`init_weight_update_group` formed it; 0
+        before and with the storage transport (no group). Informational: the group picks
+        a free port itself at each change of members."""
+        return self._updates().master_port()
+
+    def init_weight_update_group(self) -> None:
+        """Make the scheme TorchRL's pushes go through and, for a broadcast, form its group
+        now (the first push then does not)."""
+        self._updates().connect()
+
+    def update_weights(self, weights) -> None:
+        """Push an iterator of ``(name, tensor)`` (the whole model, Hugging Face names) into
+        every replica as the next integer version, verified and versioned like any
+        :class:`~torchrl_vllm_ext.WeightSyncScheme` push; blocks until every replica
+        serves it. A partial iterator is refused (the replicas serve one whole version)."""
+        self._updates().update(weights)
+
+    def _updates(self):
+        if self._engine_updates is None:
+            # The one place the engine reaches into weight_sync, lazily: TorchRL's engine
+            # interface makes the service own a scheme.
+            from torchrl_vllm_ext.weight_sync.engine_updates import EngineUpdates
+
+            self._engine_updates = EngineUpdates(self)
+        return self._engine_updates
+
     def set_weights_provider(self, provider: WeightsProvider | None) -> None:
         """Make ``provider`` bring restarted replicas to the live weights (None: nobody).
 
@@ -479,6 +600,23 @@ class VLLMService:
             coro.close()
             raise ServiceClosedError(f"service {self.name} was shut down; launch a new one.")
         return coro
+
+
+register_engine_if_loaded(VLLMService)
+
+
+def _driver_imports() -> None:
+    # One thread, one after the other: TorchRL's module imports vLLM too, and two threads
+    # importing one package at once can see it half initialised.
+    vllm_engine_api()
+    register_engine(VLLMService)  # TorchRL's engine ABC, for vLLMUpdaterV2(service)
+
+
+def _wants_flat(params) -> bool:
+    """Whether a request's sampling params ask for vLLM's ``FlatLogprobs``."""
+    if isinstance(params, dict):
+        return bool(params.get("flat_logprobs", False))
+    return bool(getattr(params, "flat_logprobs", False))
 
 
 def _renamed(old: str, new: str) -> None:

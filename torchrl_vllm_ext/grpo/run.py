@@ -199,6 +199,7 @@ def run_grpo(
             reference = ReferenceKL(
                 VLLMPolicy(
                     ref_service,
+                    input_mode="tokens",
                     generate=False,
                     log_probs_key="ref_log_probs",
                     pad_output=True,
@@ -211,6 +212,7 @@ def run_grpo(
         # took 2.8x the engine's time ragged, 1.0x padded: benchmarks/bench_collect.py).
         policy = VLLMPolicy(
             service,
+            input_mode="tokens",
             pad_output=True,
             tokenizer=tokenizer,
             lora=scheme if cfg.lora_rank else None,

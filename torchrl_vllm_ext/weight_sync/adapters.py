@@ -37,6 +37,7 @@ import torch
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._files import fsync_path
 from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.weight_sync.sources import adapter_source
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +209,7 @@ class AdapterSync:
         if version in self._live:
             raise WeightSyncError(f"adapter version {version!r} is already live; push a new one.")
         self._wait_retired()
+        adapter = adapter_source(adapter)
         tensors, config = adapter_tensors(adapter, self._names)
         if self._names is None:
             self._names = saved_names(adapter, tensors)

@@ -90,6 +90,7 @@ class BroadcastGroup:
     ):
         self.backend = backend
         self.world_size = world_size
+        self.port = port  # where rank 0's rendezvous store listens
         self._store, self._pg = make_process_group(
             backend, host, port, world_size, 0, timeout_s, listener
         )

@@ -26,14 +26,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 import torch
-from torch import nn
 
 from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.engine.base import check_pause_mode
@@ -41,7 +42,8 @@ from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaView
 from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames
 from torchrl_vllm_ext.weight_sync.packing import DEFAULT_BUCKET_BYTES
-from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
+from torchrl_vllm_ext.weight_sync.params import expected_specs, torch_dtype, validate
+from torchrl_vllm_ext.weight_sync.sources import PushSource, full_push_source
 from torchrl_vllm_ext.weight_sync.transports import make_transport
 from torchrl_vllm_ext.weight_sync.transports.base import Replicas
 from torchrl_vllm_ext.weight_sync.verify import (
@@ -53,6 +55,7 @@ from torchrl_vllm_ext.weight_sync.verify import (
     plain_causal_lm,
     probe_ids,
 )
+from torchrl_vllm_ext.weight_sync.versions import collector_next_version
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +215,12 @@ class WeightSyncScheme:
         self._nbytes = 0
         self.last_report: SyncReport | None = None
         self._lock = asyncio.Lock()
+        self.model_id: str | None = None  # TorchRL's sender state (init_on_sender)
+        self._context = None
+        self._model = None
+        self._sends = 0
+        self.initialized_on_sender = False
+        self.synchronized_on_sender = False
         logger.info("weight sync transport: %s (%s)", name, self.reason)
 
     @property
@@ -226,7 +235,11 @@ class WeightSyncScheme:
 
     # ------------------------------------------------------------------ push
     def push(self, weights, version: str | int) -> SyncReport:
-        """Push ``weights`` (nn.Module, state dict or TensorDict, HF names) as ``version``; blocks.
+        """Push ``weights`` as ``version``; blocks.
+
+        ``weights``: the trainer's transformers model, TorchRL's ``TransformersWrapper``
+        around it, a PEFT model (LoRA merged into the base weights, the model untouched),
+        a state dict or a TensorDict, with Hugging Face names.
 
         Raises :class:`WeightSyncError` naming the parameter for missing, extra,
         wrongly shaped or non-finite weights; then nothing was sent and every replica
@@ -257,9 +270,10 @@ class WeightSyncScheme:
     async def _push(self, weights, version: str) -> SyncReport:
         transport = self.transport_impl
         start = time.perf_counter()
-        tensors = await asyncio.to_thread(  # 1) validate
+        source = await asyncio.to_thread(full_push_source, weights)  # 1) validate
+        tensors = await asyncio.to_thread(
             lambda: validate(
-                self._checkpoint_named(weights),
+                self._checkpoint_named(source),
                 self.expected,
                 check_finite=not transport.checks_finite,
             )
@@ -267,7 +281,7 @@ class WeightSyncScheme:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         phases = {"validate": time.perf_counter() - start}
-        reference = self._start_reference(weights, tensors, phases)
+        reference = self._start_reference(source.scorer, tensors, phases)
         replicas = list(self.service.pool.ready())
         try:
             call = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
@@ -306,16 +320,16 @@ class WeightSyncScheme:
             version, transport.name, nbytes, time.perf_counter() - start, pauses, phases, gaps
         )
 
-    def _checkpoint_named(self, weights) -> dict[str, torch.Tensor]:
+    def _checkpoint_named(self, source: PushSource) -> dict[str, torch.Tensor]:
         """The pushed tensors under the checkpoint's names (transformers' fused names mapped)."""
-        tensors = named_tensors(weights)
+        tensors = source.tensors
         if self.names.needed(tensors):
-            module = weights if isinstance(weights, nn.Module) else None
-            tensors = self.names.to_checkpoint(tensors, module)
+            tensors = self.names.to_checkpoint(tensors, source.module)
         return tensors
 
     def _start_reference(self, weights, tensors, phases: dict) -> asyncio.Future | None:
-        """The trainer's probe log-probs, computed in a thread while the bytes move."""
+        """The trainer's probe log-probs, computed in a thread while the bytes move
+        (``weights``: the module that may score them itself, else None)."""
         if self.verify == "never" or (self.verify == "first" and self.verified_pushes):
             return None
 
@@ -433,6 +447,68 @@ class WeightSyncScheme:
             f"load of version {version} failed on replica {rid}: {cause}; {serving}. Push again."
         )
 
+    async def aconnect(self) -> None:
+        """Set up what every push uses before the first one (a broadcast forms its group)."""
+        nbytes = sum(
+            torch_dtype(s.dtype).itemsize * math.prod(s.shape) for s in self.expected.values()
+        )
+        async with self._lock:
+            await self.transport_impl.connect(list(self.service.pool.ready()), nbytes)
+
+    # ------------------------------------------------------------------ TorchRL's contract
+    # The sender side of TorchRL's WeightSyncScheme (torchrl.weight_update), under which
+    # this class is registered: a collector given weight_sync_schemes={"policy": scheme}
+    # calls init_on_sender, connect, then send at each update_policy_weights_. The
+    # receivers are the replicas' workers, run by this package: no receiver side.
+    def init_on_sender(self, *, model_id: str | None = None, context=None, model=None, **_) -> None:
+        """Bind the scheme to a collector (``context``: versions follow its
+        ``policy_version``) and, optionally, the trainer ``model`` ``send()`` pushes."""
+        self.model_id = model_id
+        self._context = weakref.ref(context) if context is not None else None
+        self._model = model
+        self.initialized_on_sender = True
+
+    def connect(self, *, worker_idx: int | None = None, weights=None) -> None:
+        """TorchRL's rendezvous: prepare the transport; push ``weights`` if given."""
+        if worker_idx is not None:
+            raise ConfigurationError(
+                f"connect(worker_idx={worker_idx!r}): the scheme is the sender; the replicas' "
+                "workers receive inside the service and are not TorchRL workers."
+            )
+        self.service.run(self.aconnect())
+        if weights is not None:
+            self.send(weights)
+        self.synchronized_on_sender = True
+
+    def send(self, weights=None, worker_ids=None) -> SyncReport:
+        """Push ``weights`` (or the ``model`` given to :meth:`init_on_sender`) to every
+        replica as the collector's next policy version; blocks."""
+        if worker_ids is not None:
+            raise ConfigurationError(
+                f"send(worker_ids={worker_ids!r}): a push reaches every replica (they serve one "
+                "version); call send() without worker_ids."
+            )
+        weights = weights if weights is not None else self._model
+        if weights is None:
+            raise ConfigurationError(
+                "send() has no weights: pass the trainer model (collector."
+                "update_policy_weights_(model)) or init_on_sender(model=...)."
+            )
+        collector = self._context() if self._context is not None else None
+        report = self.push(weights, collector_next_version(collector, self._sends))
+        self._sends += 1
+        return report
+
+    def init_on_receiver(self, *args, **kwargs) -> None:
+        raise ConfigurationError(
+            "WeightSyncScheme has no receiver side: the replicas' workers load the weights "
+            "inside the service. Give the scheme to the collector that pushes (the sender)."
+        )
+
+    def shutdown(self) -> None:
+        """TorchRL's name for :meth:`close`."""
+        self.close()
+
     # ------------------------------------------------------------------ restarts
     async def bring_up(self, replica: ReplicaView) -> None:
         """The service's weights provider: load the current version into a restarted replica.
@@ -471,3 +547,16 @@ class WeightSyncScheme:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _register_with_torchrl() -> None:
+    # TorchRL's collectors check isinstance(scheme, torchrl's WeightSyncScheme) (an ABC);
+    # the class keeps its own contract and is registered, not derived (~1 s import).
+    try:
+        from torchrl.weight_update import WeightSyncScheme as TorchRLWeightSyncScheme
+    except ImportError:  # pragma: no cover - torchrl is a dependency
+        return
+    TorchRLWeightSyncScheme.register(WeightSyncScheme)
+
+
+_register_with_torchrl()

@@ -35,15 +35,18 @@ class PolicyOptions:
     """How a :class:`~torchrl_vllm_ext.VLLMPolicy` reads, generates and writes (frozen).
 
     Examples:
-        >>> PolicyOptions(num_samples=4, sampling_params={"max_tokens": 8}).engine_sampling()
+        >>> opts = PolicyOptions(input_mode="tokens", num_samples=4, sampling_params={"max_tokens": 8})
+        >>> opts.engine_sampling()
         {'max_tokens': 8, 'n': 4, 'detokenize': False}
-        >>> opts = PolicyOptions.from_kwargs(generate_kwargs={"max_new_tokens": 8, "n": 2})
+        >>> opts = PolicyOptions.from_kwargs(
+        ...     input_mode="tokens", generate_kwargs={"max_new_tokens": 8, "n": 2}
+        ... )
         >>> opts.sampling_params, opts.num_samples
         ({'max_tokens': 8}, 2)
     """
 
-    input_mode: str = "tokens"
-    """``"tokens"``, ``"text"`` or ``"history"``."""
+    input_mode: str = "history"
+    """``"history"`` (TorchRL's default: chat histories), ``"text"`` or ``"tokens"``."""
     generate: bool = True
     """Generate (True) or score the given sequences (False)."""
     pad_output: bool = False
@@ -68,7 +71,8 @@ class PolicyOptions:
     history: multi-turn token-in / token-out, so a turn's context holds exactly the
     tokens earlier turns sampled."""
     tokenizer: Any = None
-    """A Hugging Face tokenizer; required by text and history modes."""
+    """A Hugging Face tokenizer; required by text and history modes (``VLLMPolicy`` takes
+    the service's, ``service.get_tokenizer()``, when none is given, as TorchRL's wrapper)."""
     pad_token_id: int | None = None
     """Pad id of padded outputs and inputs (default: the tokenizer's, else its EOS)."""
     return_log_probs: bool = True
@@ -107,7 +111,8 @@ class PolicyOptions:
         if self.input_mode != "tokens" and self.tokenizer is None:
             raise ConfigurationError(
                 f"input_mode={self.input_mode!r} needs a tokenizer to turn {self.input_mode} "
-                "into token ids; pass tokenizer=AutoTokenizer.from_pretrained(service.config.model)."
+                "into token ids; pass tokenizer= (VLLMPolicy reads service.get_tokenizer()), or "
+                "input_mode='tokens' for token-id prompts."
             )
         n = self.num_samples
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):

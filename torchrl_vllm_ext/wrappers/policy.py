@@ -86,7 +86,7 @@ class VLLMPolicy(TensorDictModuleBase):
         >>> from torchrl_vllm_ext import VLLMPolicy, VLLMService
         >>> from torchrl_vllm_ext.testing import make_tiny_model
         >>> svc = VLLMService.launch(make_tiny_model(), dtype="float32")  # doctest: +SKIP
-        >>> policy = VLLMPolicy(svc, sampling_params={"max_tokens": 8})  # doctest: +SKIP
+        >>> policy = VLLMPolicy(svc, input_mode="tokens", sampling_params={"max_tokens": 8})  # doctest: +SKIP
         >>> td = lazy_stack([TensorDict({("tokens", "prompt"): torch.tensor([5, 6, 7])}),
         ...                  TensorDict({("tokens", "prompt"): torch.tensor([8, 9])})])
         >>> out = policy(td)  # doctest: +SKIP
@@ -104,6 +104,11 @@ class VLLMPolicy(TensorDictModuleBase):
             raise ConfigurationError(
                 f"VLLMPolicy got unknown option(s) {unknown}; the options are {sorted(names)}."
             )
+        if kwargs.get("tokenizer") is None and (options is None or options.tokenizer is None):
+            # TorchRL's wrappers read the engine's tokenizer when given none.
+            get_tokenizer = getattr(service, "get_tokenizer", None)
+            if get_tokenizer is not None:
+                kwargs["tokenizer"] = get_tokenizer()
         if options is None:
             self.options = PolicyOptions.from_kwargs(**kwargs)
         else:

@@ -79,6 +79,10 @@ class Transport(abc.ABC):
         :class:`WeightSyncError` if no replica can load.
         """
 
+    async def connect(self, replicas: Replicas, nbytes: int) -> None:
+        """Before the first push of ``nbytes``: set up what every push uses (a group)."""
+        return None
+
     async def commit(self, version: str) -> None:
         """Every replica (or, for a partial failure, some replica) now serves ``version``."""
         return None

@@ -161,6 +161,9 @@ class BroadcastTransport(Transport):
             )
         raise_errors(outcomes, what, version)
 
+    async def connect(self, replicas: Replicas, nbytes: int) -> None:
+        await self._ensure_group(replicas, self.deadline.for_bytes(nbytes))
+
     async def commit(self, version: str) -> None:
         self._committed = self._staged
 
