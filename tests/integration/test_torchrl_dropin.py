@@ -1,0 +1,213 @@
+"""TorchRL's own engine seams take our objects: ``vLLMWrapper(service)`` generates through
+the service, ``vLLMUpdaterV2(service)`` and TorchRL's collectors push through our verified
+scheme, a ``TransformersWrapper`` and a PEFT model are pushed as what they compute, and
+``service.generate`` takes every prompt form ``vllm.LLM.generate`` takes.
+
+One replica of its own (pushes change its weights), shared by the module's tests.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import ray
+import torch
+from tensordict import TensorDict, lazy_stack
+from torchrl.collectors import Collector
+from torchrl.collectors.llm import LLMCollector, vLLMUpdaterV2
+from torchrl.data.llm import History
+from torchrl.modules.llm import TransformersWrapper, vLLMWrapper
+from torchrl.modules.llm.backends.vllm import RLvLLMEngine
+from torchrl.modules.llm.policies import ChatHistory
+from torchrl.weight_update import WeightSyncScheme as TorchRLWeightSyncScheme
+from vllm import SamplingParams
+from vllm.inputs import TextPrompt, TokensPrompt
+
+from torchrl_vllm_ext import (
+    TokenCountEnv,
+    VLLMPolicy,
+    WeightSyncError,
+    WeightSyncScheme,
+    WeightSyncUpdater,
+)
+
+from ..helpers import assert_replicas_match, hf_token_logprobs, launch, make_adapter, perturb
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
+CHATS = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "red green blue"}]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, ray_cluster):
+    svc = launch(tiny_model, num_replicas=1)
+    yield svc
+    svc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(engine):
+    return engine.get_tokenizer()
+
+
+def chat_td() -> TensorDict:
+    return lazy_stack(
+        [TensorDict({"history": ChatHistory(prompt=History.from_chats([c])[0])}) for c in CHATS]
+    )
+
+
+def tokens_of(outputs) -> list[tuple[list[int], list[int]]]:
+    return [(list(o.prompt_token_ids), list(o.outputs[0].token_ids)) for o in outputs]
+
+
+def test_generate_takes_every_vllm_prompt_form(engine, tokenizer):
+    ids = [tokenizer("one two three")["input_ids"], tokenizer("red")["input_ids"]]
+    by_ids = tokens_of(engine.generate(ids, GREEDY))
+    forms = {
+        "one string": ("one two three", by_ids[:1]),
+        "strings": (["one two three", "red"], by_ids),
+        "one token list": (ids[0], by_ids[:1]),
+        "token lists": (ids, by_ids),
+        "TokensPrompt": (TokensPrompt(prompt_token_ids=ids[1]), by_ids[1:]),
+        "TextPrompt": (TextPrompt(prompt="red"), by_ids[1:]),
+        "mixed dicts and strings": (
+            [{"prompt": "one two three"}, {"prompt_token_ids": ids[1]}],
+            by_ids,
+        ),
+        "1-D tensor": (torch.tensor(ids[0]), by_ids[:1]),
+    }
+    for name, (prompts, expected) in forms.items():
+        outs = engine.generate(prompts, GREEDY)
+        assert tokens_of(outs) == expected, name
+    texts = [o.prompt for o in engine.generate(["one two three", ids[1]], GREEDY)]
+    assert texts == ["one two three", None]  # as vLLM: the text of text prompts only
+    # One SamplingParams per prompt, in order; vLLM's default log-prob form (dicts).
+    outs = engine.generate(
+        ["red", "one"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=3)]
+    )
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 3]
+    sample = outs[1].outputs[0]
+    assert isinstance(sample.logprobs[0], dict)
+    assert set(sample.logprobs[0]) == {sample.token_ids[0]}
+    flat = engine.generate("red", SamplingParams(max_tokens=2, flat_logprobs=True))
+    assert type(flat[0].outputs[0].logprobs).__name__ == "FlatLogprobs"
+    # Ray-actor style, as TorchRL calls a Ray engine.
+    ref = engine.generate.remote(ids, GREEDY)
+    assert isinstance(ref, ray.ObjectRef) and tokens_of(ray.get(ref)) == by_ids
+
+
+def test_torchrl_vllm_wrapper_generates_through_the_service(engine, tokenizer, hf_model):
+    assert isinstance(engine, RLvLLMEngine)
+    wrapper = vLLMWrapper(engine, input_mode="history", generate_kwargs={"max_tokens": 6})
+    out = wrapper(chat_td())
+    full = out.get(("tokens", "full"), as_list=True)
+    response = out.get(("log_probs", "response"), as_list=True)
+    for ids, lps in zip(full, response, strict=True):
+        expected = hf_token_logprobs(hf_model, ids.tolist())[-len(lps) :]
+        torch.testing.assert_close(lps.float(), expected, atol=1e-4, rtol=0)
+    # Our policy with TorchRL's defaults (history, the service's tokenizer): same keys.
+    ours = VLLMPolicy(engine, generate_kwargs={"max_tokens": 6})(chat_td())
+    assert set(ours.keys(True, True)) >= set(out.keys(True, True)) - {("text", "full")}
+
+
+def test_vllm_updater_v2_pushes_through_the_scheme(engine, tokenizer, trainer):
+    env = TokenCountEnv(batch_size=(2,), prompt_len=4, answer_len=4, seed=0)
+    updater = vLLMUpdaterV2(engine)
+    collector = LLMCollector(
+        env,
+        policy=VLLMPolicy(engine, input_mode="tokens", sampling_params={"max_tokens": 4}),
+        dialog_turns_per_batch=2,
+        weight_updater=updater,
+    )
+    updater.init()
+    assert engine.get_master_address() and isinstance(engine.get_master_port(), int)
+    assert "model.embed_tokens.weight" in engine.get_model_metadata()
+    next(iter(collector))
+    for seed, pushed in enumerate(
+        [
+            # NOTE: not collector.update_policy_weights_(): in torchrl 0.14.1 the collector
+            # calls updater.push_weights(policy_or_weights=...), which vLLMUpdaterV2's own
+            # push_weights(weights) refuses (a TypeError in TorchRL, whatever the engine).
+            lambda: updater.push_weights_from_transformers(
+                TransformersWrapper(trainer, tokenizer=tokenizer, generate=False)
+            ),
+            # TorchRL's updater sends model.model of a bare transformers model: the
+            # decoder without its prefix (this tied model has no separate LM head).
+            lambda: updater.push_weights_from_transformers(trainer),
+            lambda: updater.push_weights(TensorDict(trainer.state_dict(), [])),
+        ]
+    ):
+        perturb(trainer, seed=20 + seed)
+        before = int(engine.weight_version)
+        pushed()
+        gap = assert_replicas_match(engine, trainer, str(before + 1))
+        if seed == 0:  # the scheme's first push is verified by value
+            assert engine._engine_updates.last_report.probe_gap
+        print(f"vLLMUpdaterV2 push {seed}: max |replica - trainer| {gap:.2e}")
+    collector.shutdown()
+
+
+def test_scheme_pushes_a_transformers_wrapper_and_a_peft_model(
+    engine, tokenizer, trainer, tmp_path
+):
+    scheme = WeightSyncScheme(engine, verify="always")
+    try:
+        perturb(trainer, seed=30)
+        wrapper = TransformersWrapper(trainer, tokenizer=tokenizer, generate=False)
+        scheme.push(wrapper, version="wrapper")
+        assert_replicas_match(engine, trainer, "wrapper")
+        lora = make_adapter(engine.config.model, tmp_path / "lora", seed=3)
+        names = [n for n, _ in lora.named_parameters()]
+        report = scheme.push(TransformersWrapper(lora, tokenizer=tokenizer), version="peft")
+        assert [n for n, _ in lora.named_parameters()] == names, "the PEFT model was changed"
+        assert report.probe_gap and max(report.probe_gap.values()) < 1e-4
+        assert_replicas_match(engine, lora, "peft")  # the merged model's log-probs
+        # Through TorchRL's collector (our updater) too.
+        env = TokenCountEnv(batch_size=(2,), prompt_len=4, answer_len=4, seed=0)
+        collector = LLMCollector(
+            env,
+            policy=VLLMPolicy(engine, input_mode="tokens", sampling_params={"max_tokens": 4}),
+            dialog_turns_per_batch=2,
+            weight_updater=WeightSyncUpdater(scheme),
+            track_policy_version=True,
+        )
+        next(iter(collector))
+        perturb(lora, seed=31)
+        collector.update_policy_weights_(TransformersWrapper(lora, tokenizer=tokenizer))
+        assert_replicas_match(engine, lora, "1")
+        collector.shutdown()
+        # What cannot be pushed is named.
+        with pytest.raises(WeightSyncError, match="cannot push a vLLMWrapper"):
+            scheme.push(vLLMWrapper(engine, input_mode="history"), version="x")
+    finally:
+        scheme.close()
+
+
+def test_scheme_is_torchrl_weight_sync_scheme_for_collectors(engine, trainer):
+    """TorchRL's Collector(weight_sync_schemes=...): init_on_sender, connect, send."""
+    scheme = WeightSyncScheme(engine, verify="always")
+    assert isinstance(scheme, TorchRLWeightSyncScheme)
+    env = TokenCountEnv(batch_size=(2,), prompt_len=4, answer_len=4, seed=0)
+    policy = VLLMPolicy(
+        engine, input_mode="tokens", pad_output=True, sampling_params={"max_tokens": 4}
+    )
+    collector = Collector(
+        env,
+        policy,
+        frames_per_batch=2,
+        total_frames=4,
+        weight_sync_schemes={"policy": scheme},
+        track_policy_version=True,
+        trust_policy=True,
+    )
+    try:
+        model = copy.deepcopy(trainer)
+        for step, batch in enumerate(collector):
+            assert batch.numel() == 2
+            perturb(model, seed=40 + step)
+            collector.update_policy_weights_(model)
+            assert collector.policy_version == step + 1
+            assert_replicas_match(engine, model, str(step + 1))
+    finally:
+        collector.shutdown()
+        scheme.close()
