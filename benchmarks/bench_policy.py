@@ -8,7 +8,9 @@ Systems, all on the same tiny model and prompts, timed in alternating rounds:
   and detokenisation on) over that ``LLM``;
 - ``service``: ``VLLMService.generate_request_data`` (one replica owning the machine's cores), with
   the policy's parameters (no detokenisation), so the ratio isolates the policy's own cost;
-- ``policy``: ``VLLMPolicy(td)`` over that service, TorchRL layout out (``pad_output=False``).
+- ``policy``: ``VLLMPolicy(td)`` over that service, TorchRL layout out (``pad_output=False``);
+- ``torchrl_wrapper_on_service``: TorchRL's ``vLLMWrapper`` given that service as its engine
+  (the drop-in: TorchRL's Ray-actor path, ``service.generate.remote``).
 
 The systems run back to back, in forward then reverse order on alternate rounds, so each
 is measured on an equally warm machine. No system leaves work behind when it returns (every
@@ -89,6 +91,9 @@ def main(args) -> dict:
         llm, tokenizer=tokenizer, input_mode="tokens", generate_kwargs=dict(sampling)
     )
     policy = VLLMPolicy(svc, input_mode="tokens", sampling_params=sampling)
+    wrapper_on_service = vLLMWrapper(
+        svc, tokenizer=tokenizer, input_mode="tokens", generate_kwargs=dict(sampling)
+    )
 
     def raw_vllm(_td):
         outs = llm.generate(token_prompts, raw_params, use_tqdm=False)
@@ -105,6 +110,7 @@ def main(args) -> dict:
         "torchrl_wrapper": lambda td: response_tokens(wrapper(td)),
         "service": service,
         "policy": lambda td: response_tokens(policy(td)),
+        "torchrl_wrapper_on_service": lambda td: response_tokens(wrapper_on_service(td)),
     }
     tps: dict[str, list[float]] = {name: [] for name in systems}
     try:
@@ -135,13 +141,16 @@ def main(args) -> dict:
         "ratio_policy_vs_service": round(med["policy"] / med["service"], 3),
         "ratio_policy_vs_torchrl_wrapper": round(med["policy"] / med["torchrl_wrapper"], 3),
         "ratio_torchrl_wrapper_vs_raw_vllm": round(med["torchrl_wrapper"] / med["raw_vllm"], 3),
+        "ratio_policy_vs_torchrl_wrapper_on_service": round(
+            med["policy"] / med["torchrl_wrapper_on_service"], 3
+        ),
         # Per-round ratios (the systems of a round run within seconds of each other): less
         # exposed to the drift of a shared machine than ratios of medians.
         **{
             f"paired_median_policy_vs_{base}": round(
                 statistics.median(p / b for p, b in zip(tps["policy"], tps[base], strict=True)), 3
             )
-            for base in ("raw_vllm", "service", "torchrl_wrapper")
+            for base in ("raw_vllm", "service", "torchrl_wrapper", "torchrl_wrapper_on_service")
         },
         "rounds_tokens_per_s": {name: [round(x, 1) for x in v] for name, v in tps.items()},
     }

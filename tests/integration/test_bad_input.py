@@ -36,7 +36,14 @@ CASES = [
         InvalidRequestError,
         "temprature",
     ),
-    ("text instead of ids", ["hello"], OK, {}, InvalidRequestError, "is a string"),
+    (
+        "a dict prompt with both forms",
+        [{"prompt": "a", "prompt_token_ids": [1]}],
+        OK,
+        {},
+        InvalidRequestError,
+        "with one of them",
+    ),
     ("float ids", [[1.0, 2.0]], OK, {}, InvalidRequestError, "must be integers"),
     (
         "params per prompt mismatch",

@@ -151,6 +151,16 @@ def test_adapter_pushes_serve_each_version_and_keep_the_last_k(lora_service, tin
             TensorDict({("tokens", "prompt"): torch.tensor([SEQUENCE[:4]])}, batch_size=[1])
         )
         assert out.get(("vllm", "lora")).tolist() == ["policy@3"]
+        # TorchRL's TransformersWrapper around the PEFT model is pushed as its adapter;
+        # a model that is not a PEFT model is named.
+        from torchrl.modules.llm import TransformersWrapper
+
+        perturb_adapter(trainer, seed=104)
+        sync.push(TransformersWrapper(trainer, input_mode="tokens", generate=False), 4)
+        got = policy(td.clone()).get(("log_probs", "full"))[0, 1:]
+        torch.testing.assert_close(got, hf_token_logprobs(trainer, SEQUENCE), atol=1e-4, rtol=0)
+        with pytest.raises(WeightSyncError, match="Linear as a LoRA adapter: it is not a PEFT"):
+            sync.push(torch.nn.Linear(1, 1), 40)
         # Bad pushes are refused before any replica is touched.
         before = lora_service.list_loras()
         bad = trainer.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
@@ -158,11 +168,11 @@ def test_adapter_pushes_serve_each_version_and_keep_the_last_k(lora_service, tin
             saved = bad.clone()
             bad[0, 0] = float("nan")
         with pytest.raises(WeightSyncError, match="NaN"):
-            sync.push(trainer, 4)
+            sync.push(trainer, 6)
         with torch.no_grad():
             bad.copy_(saved)
         other_rank = make_adapter(tiny_model, tmp_path / "r4", seed=5, rank=4)
         with pytest.raises(WeightSyncError, match="r=4"):
-            sync.push(other_rank, 5)
-        assert lora_service.list_loras() == before and sync.current == "policy@3"
+            sync.push(other_rank, 7)
+        assert lora_service.list_loras() == before and sync.current == "policy@4"
     assert not any(n.startswith("policy@") for n in lora_service.list_loras())

@@ -224,8 +224,8 @@ def test_async_calls_in_flight(service):
 
 
 def test_bad_input_live(service, tokenizer):
-    with pytest.raises(ConfigurationError, match="tokenizer"):
-        VLLMPolicy(service, input_mode="history")
+    with pytest.raises(ConfigurationError, match="input_mode='audio'"):
+        VLLMPolicy(service, input_mode="audio")
     vocab = service.replica_info(service.replica_ids[0]).max_token_id
     td = TensorDict({("tokens", "prompt"): torch.tensor([[1, vocab + 1]])}, batch_size=[1])
     with pytest.raises(InvalidRequestError, match=r"\('tokens', 'prompt'\) row 0"):

@@ -136,7 +136,9 @@ def test_what_cannot_be_pushed_is_named(hf_model, lora_model):
     policy = VLLMPolicy(FakeService(), input_mode="tokens")
     with pytest.raises(WeightSyncError, match="cannot push a VLLMPolicy"):
         full_push_source(policy)
-    with pytest.raises(WeightSyncError, match="cannot push a LlamaForCausalLM|not a PEFT model"):
+    with pytest.raises(
+        WeightSyncError, match="Qwen2ForCausalLM as a LoRA adapter: it is not a PEFT model"
+    ):
         adapter_source(hf_model)
     wrapped = TransformersWrapper(lora_model, generate=False, input_mode="tokens")
     assert adapter_source(wrapped) is lora_model

@@ -80,7 +80,7 @@ def parse_prompts(
             extra = sorted(set(p) - set(_PROMPT_KEYS))
             if extra or len(set(p) & set(_PROMPT_KEYS)) != 1:
                 raise InvalidRequestError(
-                    f"prompt {i} is a dict with keys {sorted(p)}; the service takes a TokensPrompt "
+                    f"prompt {i} is a dict with keys {sorted(p)}; pass a TokensPrompt "
                     "({'prompt_token_ids': [...]}) or a TextPrompt ({'prompt': '...'}) "
                     + (
                         f"and nothing else ({extra} are not served)."

@@ -41,7 +41,11 @@ from torchrl_vllm_ext.engine.torchrl_engine import (
     register_engine_if_loaded,
 )
 from torchrl_vllm_ext.engine.torchrl_engine import lora_name as _lora_name
-from torchrl_vllm_ext.errors import ConfigurationError, ServiceClosedError
+from torchrl_vllm_ext.errors import (
+    ConfigurationError,
+    InvalidRequestError,
+    ServiceClosedError,
+)
 from torchrl_vllm_ext.hf import load_tokenizer
 from torchrl_vllm_ext.messages import ReplicaDeath, ReplicaInfo, ReplicaStats, RequestData
 
@@ -160,9 +164,10 @@ class VLLMService:
     @actor_style
     def generate(
         self,
-        prompts,
+        prompts=None,
         sampling_params=None,
         *,
+        prompt_token_ids=None,
         timeout: float | None = None,
         routing: str | Sequence[str] | None = None,
         lora: str | None = None,
@@ -186,11 +191,15 @@ class VLLMService:
                 was added with :meth:`add_lora`.
             tokenization_kwargs: for the text prompts (e.g. ``{"add_special_tokens": False}``).
             use_tqdm: accepted for ``vllm.LLM.generate`` callers; the service shows no bar.
+            prompt_token_ids: TorchRL's ``AsyncVLLM.generate`` keyword: token-id prompts
+                given by name (instead of ``prompts``).
 
         ``svc.generate.remote(...)`` returns a Ray ``ObjectRef`` of the same list, so code
         written for a Ray actor (TorchRL's ``vLLMWrapper``) takes the service.
         """
-        parsed = parse_prompts(prompts, self._encoder(tokenization_kwargs))
+        parsed = parse_prompts(
+            _one_of(prompts, prompt_token_ids), self._encoder(tokenization_kwargs)
+        )
         batch = self.generate_request_batch(
             parsed.token_ids,
             sampling_params,
@@ -202,9 +211,10 @@ class VLLMService:
 
     async def agenerate(
         self,
-        prompts,
+        prompts=None,
         sampling_params=None,
         *,
+        prompt_token_ids=None,
         timeout=None,
         routing=None,
         lora=None,
@@ -213,7 +223,9 @@ class VLLMService:
         use_tqdm=None,
     ) -> list:
         """Async :meth:`generate`."""
-        parsed = parse_prompts(prompts, self._encoder(tokenization_kwargs))
+        parsed = parse_prompts(
+            _one_of(prompts, prompt_token_ids), self._encoder(tokenization_kwargs)
+        )
         batch = await self.agenerate_request_batch(
             parsed.token_ids,
             sampling_params,
@@ -603,6 +615,15 @@ class VLLMService:
 
 
 register_engine_if_loaded(VLLMService)
+
+
+def _one_of(prompts, prompt_token_ids):
+    if (prompts is None) == (prompt_token_ids is None):
+        raise InvalidRequestError(
+            "generate() takes the prompts once: pass prompts (any vLLM form) or "
+            "prompt_token_ids=, not both and not neither."
+        )
+    return prompts if prompts is not None else prompt_token_ids
 
 
 def _driver_imports() -> None:
