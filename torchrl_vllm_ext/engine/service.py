@@ -197,15 +197,11 @@ class VLLMService:
         ``svc.generate.remote(...)`` returns a Ray ``ObjectRef`` of the same list, so code
         written for a Ray actor (TorchRL's ``vLLMWrapper``) takes the service.
         """
-        parsed = parse_prompts(
-            _one_of(prompts, prompt_token_ids), self._encoder(tokenization_kwargs)
+        parsed, lora = self._llm_request(
+            prompts, prompt_token_ids, tokenization_kwargs, lora, lora_request
         )
         batch = self.generate_request_batch(
-            parsed.token_ids,
-            sampling_params,
-            timeout=timeout,
-            routing=routing,
-            lora=_lora_name(lora, lora_request),
+            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
         )
         return self._request_outputs(batch, parsed.texts, sampling_params)
 
@@ -223,17 +219,20 @@ class VLLMService:
         use_tqdm=None,
     ) -> list:
         """Async :meth:`generate`."""
+        parsed, lora = self._llm_request(
+            prompts, prompt_token_ids, tokenization_kwargs, lora, lora_request
+        )
+        batch = await self.agenerate_request_batch(
+            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
+        )
+        return self._request_outputs(batch, parsed.texts, sampling_params)
+
+    def _llm_request(self, prompts, prompt_token_ids, tokenization_kwargs, lora, lora_request):
+        """``vllm.LLM.generate``'s arguments -> (parsed prompts, adapter name)."""
         parsed = parse_prompts(
             _one_of(prompts, prompt_token_ids), self._encoder(tokenization_kwargs)
         )
-        batch = await self.agenerate_request_batch(
-            parsed.token_ids,
-            sampling_params,
-            timeout=timeout,
-            routing=routing,
-            lora=_lora_name(lora, lora_request),
-        )
-        return self._request_outputs(batch, parsed.texts, sampling_params)
+        return parsed, _lora_name(lora, lora_request)
 
     def _request_outputs(self, batch: RequestBatch, texts: list[str | None], params) -> list:
         # Log-probs in the form each request asked for (vLLM's default: a list of dicts).
