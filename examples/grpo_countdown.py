@@ -208,6 +208,8 @@ def train(args: argparse.Namespace) -> dict:
     with contextlib.ExitStack() as stack:  # closes collector, scheme, replicas, Ray
         # Inference side, as sota's main(): engine, policy, buffer, collector.
         service = stack.enter_context(launch_engine(model_path, args, out_dir / "vllm.log"))
+        # DROP-IN: with weight_updater=vLLMUpdaterV2(service) the updater makes its own
+        # scheme and this line goes (with WeightSyncUpdater it stays).
         scheme = stack.enter_context(WeightSyncScheme(service))
         startup_s = time.perf_counter() - started
         logger.info("%d replica(s) up in %.1f s", args.replicas, startup_s)
