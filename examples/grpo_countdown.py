@@ -280,7 +280,7 @@ def train(args: argparse.Namespace) -> dict:
                 *(metrics[k] for k in ("train_s", "sync_s", "policy_version")),
             )
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward']:.2f}", loss=f"{metrics['loss']:.3f}")
+            bar.set_postfix(reward=f"{metrics['reward']:.2f}", loss=f"{metrics['loss']:.4f}")
         loop_s = time.perf_counter() - loop_start
         served = service.weight_versions()  # what each replica serves at the end
 
@@ -306,9 +306,12 @@ def train(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    result = train(args)
+    with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+        result = train(args)
     s = result["summary"]
     finite = all(math.isfinite(m["loss"]) for m in result["steps"])
     print(
