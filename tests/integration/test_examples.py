@@ -43,6 +43,7 @@ def test_grpo_countdown_trains_pushes_and_cleans_up(tmp_path):
     assert summary["final_policy_version"] == steps
     assert summary["replica_weight_versions"] == {"0": str(steps)}
     assert summary["steps_per_s"] > 0 and math.isfinite(summary["median_step_s"])
+    assert "pid=" in (tmp_path / "vllm.log").read_text()  # the replica's vLLM output
     # Nothing left: no directory of ours in /dev/shm, no process of its Ray or replicas.
     assert ours_tagged(tag) == []
     wait_until(lambda: not tagged_processes(tag), 60, interval=0.5, what="its processes to exit")
