@@ -165,8 +165,9 @@ def make_collector(env, policy, replay_buffer, scheme, args: argparse.Namespace)
             policy=policy,
             dialog_turns_per_batch=args.prompts * args.group_size,
             replay_buffer=replay_buffer,
-            # DROP-IN: weight_updater=vLLMUpdaterV2(service) once VLLMService is an
-            # RLvLLMEngine; WeightSyncUpdater(WeightSyncScheme(service)) stays valid.
+            # DROP-IN: stays. vLLMUpdaterV2(service) takes the service once it is an
+            # RLvLLMEngine, but torchrl 0.14.1's update_policy_weights_ calls
+            # push_weights(policy_or_weights=...), which vLLMUpdaterV2 refuses (TypeError).
             weight_updater=WeightSyncUpdater(scheme),
             track_policy_version=True,
         )
@@ -208,8 +209,6 @@ def train(args: argparse.Namespace) -> dict:
     with contextlib.ExitStack() as stack:  # closes collector, scheme, replicas, Ray
         # Inference side, as sota's main(): engine, policy, buffer, collector.
         service = stack.enter_context(launch_engine(model_path, args, out_dir / "vllm.log"))
-        # DROP-IN: with weight_updater=vLLMUpdaterV2(service) the updater makes its own
-        # scheme and this line goes (with WeightSyncUpdater it stays).
         scheme = stack.enter_context(WeightSyncScheme(service))
         startup_s = time.perf_counter() - started
         logger.info("%d replica(s) up in %.1f s", args.replicas, startup_s)
