@@ -448,6 +448,21 @@ def processes_of(session_dir: str, pids=()) -> list[str]:
     return found
 
 
+def tagged_processes(tag: str) -> list[str]:
+    """Live processes whose environment carries ``tag`` (a child started with
+    :func:`trainer_env` and everything it spawned: Ray's processes, replicas, vLLM's)."""
+    from torchrl_vllm_ext.leftovers import TAG_ENV
+
+    found = []
+    for p in psutil.process_iter(["pid", "status", "name"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and p.environ().get(TAG_ENV) == tag:
+                found.append(f"{p.info['pid']}: {p.info['name']}")
+        except psutil.Error:  # gone meanwhile, or another user's
+            continue
+    return found
+
+
 SHM = "/dev/shm"
 
 
