@@ -18,8 +18,7 @@ the plumbing, and the numbers it prints are real)::
     python examples/grpo_countdown.py --steps 20 --replicas 2
 
 It writes ``metrics.json`` (per-step reward, loss, timings, versions and a summary) and
-``vllm.log`` (the replicas' output) to ``--output``. Lines marked ``# DROP-IN:`` use
-today's API where TorchRL's drop-in API is on its way; each says what it becomes.
+``vllm.log`` (the replicas' output) to ``--output``.
 """
 
 from __future__ import annotations
@@ -101,15 +100,15 @@ def launch_engine(model_path: Path, args: argparse.Namespace, log_file: Path):
     )
 
 
-def make_inference_policy(service, tokenizer, args: argparse.Namespace):
-    """The vLLMWrapper-compatible policy (sota's ``get_inference_model``)."""
+def make_inference_policy(service, args: argparse.Namespace):
+    """The vLLMWrapper-compatible policy (sota's ``get_inference_model``): TorchRL's
+    defaults (history mode, the engine's tokenizer). ``vLLMWrapper(service, ...)`` works
+    here too; ``VLLMPolicy`` reads the replicas' batches without rebuilding vLLM objects."""
     from torchrl_vllm_ext import VLLMPolicy
 
     return VLLMPolicy(
         service,
         input_mode="history",
-        # DROP-IN: tokenizer= goes away; VLLMPolicy takes it from service.get_tokenizer().
-        tokenizer=tokenizer,
         pad_output=False,
         generate_kwargs={"max_tokens": args.max_tokens, "temperature": args.temperature},
     )
@@ -165,8 +164,8 @@ def make_collector(env, policy, replay_buffer, scheme, args: argparse.Namespace)
             policy=policy,
             dialog_turns_per_batch=args.prompts * args.group_size,
             replay_buffer=replay_buffer,
-            # DROP-IN: stays. vLLMUpdaterV2(service) takes the service once it is an
-            # RLvLLMEngine, but torchrl 0.14.1's update_policy_weights_ calls
+            # Not vLLMUpdaterV2(service) (the service is an RLvLLMEngine and it takes it),
+            # because torchrl 0.14.1's update_policy_weights_ calls
             # push_weights(policy_or_weights=...), which vLLMUpdaterV2 refuses (TypeError).
             weight_updater=WeightSyncUpdater(scheme),
             track_policy_version=True,
@@ -194,7 +193,6 @@ def total_loss(out) -> torch.Tensor:
 def train(args: argparse.Namespace) -> dict:
     """Collect -> train -> push for ``args.steps`` steps; returns the metrics written."""
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
     from torchrl_vllm_ext import WeightSyncScheme
     from torchrl_vllm_ext.testing import make_tiny_model
@@ -212,9 +210,8 @@ def train(args: argparse.Namespace) -> dict:
         scheme = stack.enter_context(WeightSyncScheme(service))
         startup_s = time.perf_counter() - started
         logger.info("%d replica(s) up in %.1f s", args.replicas, startup_s)
-        # DROP-IN: tokenizer = service.get_tokenizer() (the served model's own).
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        policy = make_inference_policy(service, tokenizer, args)
+        tokenizer = service.get_tokenizer()  # the served model's (TorchRL's engine API)
+        policy = make_inference_policy(service, args)
         replay_buffer = make_replay_buffer(args)
         collector = make_collector(make_env(tokenizer, args), policy, replay_buffer, scheme, args)
         stack.callback(collector.shutdown)
@@ -248,8 +245,8 @@ def train(args: argparse.Namespace) -> dict:
             replay_buffer.empty()
             t2 = time.perf_counter()
             # 3. push the new weights into every replica; the collector bumps its version.
-            # DROP-IN: pass policy_training (the TransformersWrapper) itself.
-            collector.update_policy_weights_(policy_training.model)
+            # The TransformersWrapper itself: the push reads its transformers model.
+            collector.update_policy_weights_(policy_training)
             t3 = time.perf_counter()
             reward = batch.get(("next", "reward"), as_padded_tensor=True)
             metrics = {
