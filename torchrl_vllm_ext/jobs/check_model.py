@@ -1,0 +1,375 @@
+"""``torchrl-vllm check-model PATH``: is this architecture served and synced exactly?
+
+Run it once on a model before a long run::
+
+    torchrl-vllm check-model MODEL_DIR [--transports storage broadcast] [--lora] [--json OUT]
+
+One replica on ``MODEL_DIR`` in float32, then, against transformers on the same weights:
+
+1. **serve**: the replica's log-probs of a fixed sequence (the weight sync's probe) and
+   of 8 greedily generated tokens equal transformers' within ``--tol`` (max |gap|);
+2. **storage**, **broadcast**: every trainer parameter perturbed (seeded noise), pushed
+   through the transport with the value check on; the replica's log-probs then equal the
+   perturbed model's again;
+3. **lora** (``--lora``, a second replica with LoRA on): a random PEFT adapter on every
+   linear layer pushed with :class:`~torchrl_vllm_ext.AdapterSync`; its log-probs equal
+   the PEFT model's.
+
+It prints one line per check and, last, one JSON object (:func:`check_model`'s result);
+exit status 0 when every check passed, 1 otherwise, 2 on a typed error. Where vLLM
+cannot start the model, the serve check fails with vLLM's own error and the others are
+not run. ``--render RESULTS.json`` prints the support table of ``docs/models.md`` from
+such results (a list of them, or ``{"families": [...]}``) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CHECKS = ("serve", "storage", "broadcast", "lora")
+TRANSPORTS = ("storage", "broadcast")
+TOLERANCE = 1e-4
+"""Max |replica - transformers| log-prob in float32 (the tests' bound)."""
+GENERATED_TOKENS = 8
+ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True}
+"""The replica's engine arguments: exact (fp32), short context, no graph capture."""
+LORA_RANK = 8
+
+
+@dataclass
+class Check:
+    """One cell of the support table."""
+
+    ok: bool | None = None
+    """Passed, failed, or ``None``: not run (``error`` says why)."""
+    gap: float | None = None
+    """Max |replica - transformers| log-prob seen by the check."""
+    error: str | None = None
+    """Why it failed or was not run (vLLM's own message where the engine refused)."""
+    seconds: float = 0.0
+
+
+@dataclass
+class ModelCheck:
+    """What :func:`check_model` found for one model."""
+
+    model: str
+    architecture: str
+    checks: dict[str, Check] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is not False for c in self.checks.values()) and any(
+            c.ok for c in self.checks.values()
+        )
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "check-model",
+        help="serve a model on one replica, score it against transformers, push round trips",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("model", nargs="?", help="local Hugging Face model directory")
+    p.add_argument(
+        "--transports",
+        nargs="+",
+        default=list(TRANSPORTS),
+        choices=TRANSPORTS,
+        help="weight-sync transports to round-trip (default: both)",
+    )
+    p.add_argument("--lora", action="store_true", help="also push a LoRA adapter (2nd replica)")
+    p.add_argument("--tol", type=float, default=TOLERANCE, help=f"max |gap| ({TOLERANCE:g})")
+    p.add_argument("--json", type=Path, help="also write the result to this file")
+    p.add_argument(
+        "--render", type=Path, metavar="RESULTS", help="print the support table of RESULTS"
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from torchrl_vllm_ext.errors import ConfigurationError
+
+    if args.render is not None:
+        print(render_table(load_results(args.render)))
+        return 0
+    if args.model is None:
+        raise ConfigurationError("check-model needs a model directory (or --render RESULTS).")
+    result = check_model(args.model, transports=args.transports, lora=args.lora, tol=args.tol)
+    for name, check in result.checks.items():
+        print(_line(name, check))
+    out = result.to_json()
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out))
+    return 0 if result.ok else 1
+
+
+def _line(name: str, check: Check) -> str:
+    state = {True: "ok", False: "FAILED", None: "not run"}[check.ok]
+    gap = "" if check.gap is None else f"  max |gap| {check.gap:.1e}"
+    why = f"  ({check.error})" if check.error else ""
+    return f"{name:10s} {state}{gap}{why}"
+
+
+# ---------------------------------------------------------------------------- the checks
+def check_model(
+    model: str | Path,
+    transports=TRANSPORTS,
+    lora: bool = False,
+    tol: float = TOLERANCE,
+    **launch_kwargs,
+) -> ModelCheck:
+    """Serve ``model`` on one replica, score it against transformers, round-trip pushes.
+
+    ``launch_kwargs`` go to :meth:`VLLMService.launch` (e.g. ``cpus_per_replica``,
+    ``kv_cache_memory_bytes``); the engine runs in float32. Never raises for a failed
+    check: each is a :class:`Check` of the result.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from torchrl_vllm_ext.weight_sync.verify import reference_attention
+
+    model = Path(model)
+    start = time.perf_counter()
+    config = AutoConfig.from_pretrained(model)
+    result = ModelCheck(str(model), (config.architectures or [type(config).__name__])[0])
+    trainer = AutoModelForCausalLM.from_pretrained(
+        model, dtype=torch.float32, **reference_attention(config)
+    ).eval()
+    with _service(model, launch_kwargs, result.checks, "serve") as service:
+        if service is not None:
+            _run(result.checks, "serve", lambda: _serve_gap(service, trainer, tol))
+            for i, transport in enumerate(transports):
+                if result.checks["serve"].ok is None:
+                    break
+                _run(
+                    result.checks,
+                    transport,
+                    lambda t=transport, s=i + 1: _push_gap(service, trainer, t, s, tol),
+                )
+        else:
+            for transport in transports:
+                result.checks[transport] = Check(error="not run: the model was not served")
+    if lora:
+        if result.checks["serve"].ok is None:
+            result.checks["lora"] = Check(error="not run: the model was not served")
+        else:
+            lora_kwargs = {**launch_kwargs, "enable_lora": True, "max_lora_rank": LORA_RANK}
+            with _service(model, lora_kwargs, result.checks, "lora") as service:
+                if service is not None:
+                    _run(result.checks, "lora", lambda: _lora_gap(service, model, tol))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+class _service:
+    """A one-replica service for a ``with`` block; ``None`` (and the check's error set to
+    vLLM's reason) when it cannot start."""
+
+    def __init__(self, model, launch_kwargs, checks, name):
+        self.args = model, launch_kwargs
+        self.checks, self.name = checks, name
+        self.service = None
+
+    def __enter__(self):
+        from torchrl_vllm_ext import VLLMService
+        from torchrl_vllm_ext.errors import ReplicaStartupError
+
+        model, kwargs = self.args
+        options = {"health_check_interval": 0, **ENGINE_KWARGS, **kwargs}
+        t0 = time.perf_counter()
+        try:
+            self.service = VLLMService.launch(model, num_replicas=1, **options)
+        except ReplicaStartupError as e:
+            logger.warning("%s: vLLM could not start %s: %s", self.name, model, e)
+            self.checks[self.name] = Check(
+                ok=False, error=f"vLLM: {e}", seconds=time.perf_counter() - t0
+            )
+        return self.service
+
+    def __exit__(self, *exc):
+        if self.service is not None:
+            self.service.shutdown()
+
+
+def _run(checks: dict, name: str, fn) -> None:
+    t0 = time.perf_counter()
+    try:
+        ok, gap, error = fn()
+    except Exception as e:  # a failed check is a result, with the typed error's message
+        logger.exception("check %s failed", name)
+        ok, gap, error = False, None, f"{type(e).__name__}: {e}"
+    checks[name] = Check(ok, gap, error, time.perf_counter() - t0)
+
+
+def _verdict(gap: float, tol: float) -> tuple[bool, float, str | None]:
+    ok = gap <= tol  # False for NaN
+    return ok, gap, None if ok else f"max |gap| {gap:.3g} > {tol:g}"
+
+
+def _scored(service, ids: list[int], lora=None) -> list[float]:
+    """The replica's log-probs of ``ids[1:]``."""
+    (data,) = service.generate_request_data(
+        [ids], {"max_tokens": 1, "prompt_logprobs": 0}, lora=lora
+    )
+    return [float(x) for x in data.prompt_logprobs[1:]]
+
+
+def _gap(reference: list[float], got: list[float]) -> float:
+    if len(reference) != len(got):
+        return math.nan
+    return max((abs(a - b) for a, b in zip(reference, got, strict=True)), default=0.0)
+
+
+def _serve_gap(service, trainer, tol: float):
+    """Scored probe and greedily generated tokens against transformers."""
+    from torchrl_vllm_ext.weight_sync.verify import model_logprobs, probe_ids
+
+    ids = probe_ids(service.config.model)
+    gap = _gap(model_logprobs(trainer, ids), _scored(service, ids))
+    (data,) = service.generate_request_data(
+        [ids[:8]], {"max_tokens": GENERATED_TOKENS, "temperature": 0.0, "ignore_eos": True}
+    )
+    sample = data.samples[0]
+    full = ids[:8] + [int(t) for t in sample.token_ids]
+    reference = model_logprobs(trainer, full)[-len(sample.token_ids) :]
+    gap = max(gap, _gap(reference, [float(x) for x in sample.logprobs]))
+    return _verdict(gap, tol)
+
+
+def _perturb(model, seed: int) -> None:
+    """Seeded noise on every parameter (a stand-in for a training step)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def _push_gap(service, trainer, transport: str, seed: int, tol: float):
+    """Perturb, push with the value check, then score the probe again."""
+    from torchrl_vllm_ext import WeightSyncScheme
+    from torchrl_vllm_ext.weight_sync.verify import model_logprobs, probe_ids
+
+    _perturb(trainer, seed)
+    with WeightSyncScheme(service, transport=transport, verify="always") as scheme:
+        report = scheme.push(trainer, version=f"check-{transport}")
+    ids = probe_ids(service.config.model)
+    gap = _gap(model_logprobs(trainer, ids), _scored(service, ids))
+    logger.info("%s push: probe gap %s, max |gap| %.2e", transport, report.probe_gap, gap)
+    return _verdict(gap, tol)
+
+
+def _lora_gap(service, model_dir: Path, tol: float):
+    """A random PEFT adapter on every linear layer, pushed with AdapterSync."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from torchrl_vllm_ext import AdapterSync
+    from torchrl_vllm_ext.weight_sync.verify import model_logprobs, probe_ids, reference_attention
+
+    config = AutoConfig.from_pretrained(model_dir)
+    base = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, **reference_attention(config)
+    )
+    config = LoraConfig(
+        r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear", lora_dropout=0.0
+    )
+    adapter = get_peft_model(base, config)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in adapter.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.05)
+    adapter.eval()
+    ids = probe_ids(model_dir)
+    with tempfile.TemporaryDirectory(prefix="check-model-lora-") as root:
+        with AdapterSync(service, "check", keep=1, storage_dir=root) as sync:
+            sync.push(adapter, 1)
+            got = _scored(service, ids, lora=sync.current)
+    return _verdict(_gap(model_logprobs(adapter, ids), got), tol)
+
+
+# ---------------------------------------------------------------------------- the table
+COLUMNS = ("family", "architecture", "serve", "storage", "broadcast", "lora", "notes")
+
+
+def load_results(path: str | Path) -> list[dict]:
+    """Results written by ``check-model --json`` (one, or a list) or by the family matrix."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict):
+        data = data.get("families", [data])
+    return list(data)
+
+
+def _cell(check: dict | None) -> str:
+    if not check or check.get("ok") is None:
+        return "n/a" if not check else "not run"
+    if check["ok"]:
+        gap = check.get("gap")
+        return "yes" if gap is None else f"yes ({gap:.0e})"
+    return "**no**"
+
+
+def render_table(results: list[dict]) -> str:
+    """The support table (markdown) of ``results``: one row per model, a column per check
+    (``yes (max |gap|)``, ``**no**``, ``n/a``: not asked, ``not run``), and the notes:
+    every error, the engine's own where vLLM refused the model.
+
+    Examples:
+        >>> row = {"family": "qwen3", "architecture": "Qwen3ForCausalLM",
+        ...        "checks": {"serve": {"ok": True, "gap": 2e-7}}}
+        >>> print(render_table([row]).splitlines()[2])
+        | qwen3 | Qwen3ForCausalLM | yes (2e-07) | n/a | n/a | n/a |  |
+    """
+    lines = [
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    for row in results:
+        checks = row.get("checks", {})
+        notes = [row["note"]] if row.get("note") else []
+        notes += [
+            f"{name}: {checks[name]['error']}"
+            for name in CHECKS
+            if checks.get(name) and checks[name].get("error")
+        ]
+        cells = [
+            row.get("family") or Path(row.get("model", "?")).name,
+            row.get("architecture", "?"),
+            *(_cell(checks.get(name)) for name in CHECKS),
+            "; ".join(_one_line(n) for n in notes),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+if __name__ == "__main__":
+    from torchrl_vllm_ext.cli import main
+
+    sys.exit(main(["check-model", *sys.argv[1:]]))
