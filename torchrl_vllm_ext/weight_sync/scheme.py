@@ -257,13 +257,14 @@ class WeightSyncScheme:
     async def _push(self, weights, version: str) -> SyncReport:
         transport = self.transport_impl
         start = time.perf_counter()
-        tensors = await asyncio.to_thread(  # 1) validate
-            lambda: validate(
-                self._checkpoint_named(weights),
-                self.expected,
-                check_finite=not transport.checks_finite,
-            )
-        )
+
+        def validated() -> dict[str, torch.Tensor]:
+            named = self._checkpoint_named(weights)
+            # Checkpoint tensors no parameter holds (GPT-2's mask buffers) may be left out.
+            optional = self.names.stale(named)
+            return validate(named, self.expected, not transport.checks_finite, optional)
+
+        tensors = await asyncio.to_thread(validated)  # 1) validate
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         phases = {"validate": time.perf_counter() - start}
