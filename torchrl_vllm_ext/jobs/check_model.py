@@ -28,6 +28,7 @@ import argparse
 import json
 import logging
 import math
+import re
 import sys
 import tempfile
 import time
@@ -57,6 +58,8 @@ class Check:
     error: str | None = None
     """Why it failed or was not run (vLLM's own message where the engine refused)."""
     seconds: float = 0.0
+    engine: bool = False
+    """vLLM itself refused (its start-up error): an engine limit, not this package's."""
 
 
 @dataclass
@@ -201,13 +204,35 @@ class _service:
         except ReplicaStartupError as e:
             logger.warning("%s: vLLM could not start %s: %s", self.name, model, e)
             self.checks[self.name] = Check(
-                ok=False, error=f"vLLM: {e}", seconds=time.perf_counter() - t0
+                ok=False,
+                error=f"vLLM: {engine_reason(e)}",
+                seconds=time.perf_counter() - t0,
+                engine=True,
             )
         return self.service
 
     def __exit__(self, *exc):
         if self.service is not None:
             self.service.shutdown()
+
+
+_STARTUP = re.compile(
+    r"could not start vLLM on .*?: (?P<reason>.*?)(?: \(engine arguments: .*)?$", re.S
+)
+
+
+def engine_reason(error) -> str:
+    """vLLM's own reason out of a :class:`ReplicaStartupError`'s message (the replica and
+    the engine arguments left out); other messages unchanged.
+
+    Examples:
+        >>> engine_reason("replica 0 could not start vLLM on '/m': ValueError: GPT2LMHeadModel "
+        ...               "does not support LoRA yet. (engine arguments: {'dtype': 'float32'})")
+        'ValueError: GPT2LMHeadModel does not support LoRA yet.'
+    """
+    text = str(error)
+    match = _STARTUP.search(text)
+    return match.group("reason") if match else text
 
 
 def _run(checks: dict, name: str, fn) -> None:
@@ -270,6 +295,7 @@ def _push_gap(service, trainer, transport: str, seed: int, tol: float):
     from torchrl_vllm_ext import WeightSyncScheme
     from torchrl_vllm_ext.weight_sync.verify import model_logprobs, probe_ids
 
+    service.run(service.pool.wait_ready())  # a replica a failed check restarted is back
     _perturb(trainer, seed)
     with WeightSyncScheme(service, transport=transport, verify="always") as scheme:
         report = scheme.push(trainer, version=f"check-{transport}")
@@ -323,8 +349,12 @@ def load_results(path: str | Path) -> list[dict]:
 
 
 def _cell(check: dict | None) -> str:
-    if not check or check.get("ok") is None:
-        return "n/a" if not check else "not run"
+    if not check:
+        return "n/a"
+    if check.get("engine"):
+        return "no (vLLM)"
+    if check.get("ok") is None:
+        return "not run"
     if check["ok"]:
         gap = check.get("gap")
         return "yes" if gap is None else f"yes ({gap:.0e})"
@@ -333,8 +363,9 @@ def _cell(check: dict | None) -> str:
 
 def render_table(results: list[dict]) -> str:
     """The support table (markdown) of ``results``: one row per model, a column per check
-    (``yes (max |gap|)``, ``**no**``, ``n/a``: not asked, ``not run``), and the notes:
-    every error, the engine's own where vLLM refused the model.
+    (``yes (max |gap|)``; ``no (vLLM)``: the engine refused, its reason in the notes;
+    ``**no**``: this package failed; ``n/a``: not asked; ``not run``), and the notes: the
+    row's own, then every error.
 
     Examples:
         >>> row = {"family": "qwen3", "architecture": "Qwen3ForCausalLM",
@@ -349,11 +380,11 @@ def render_table(results: list[dict]) -> str:
     for row in results:
         checks = row.get("checks", {})
         notes = [row["note"]] if row.get("note") else []
-        notes += [
-            f"{name}: {checks[name]['error']}"
-            for name in CHECKS
-            if checks.get(name) and checks[name].get("error")
-        ]
+        errors: dict[str, list[str]] = {}  # reason -> the checks it stopped
+        for name, check in checks.items():
+            if check.get("error"):
+                errors.setdefault(engine_reason(check["error"]), []).append(name)
+        notes += [f"{', '.join(names)}: {reason}" for reason, names in errors.items()]
         cells = [
             row.get("family") or Path(row.get("model", "?")).name,
             row.get("architecture", "?"),
