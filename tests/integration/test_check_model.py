@@ -23,14 +23,13 @@ def run_check(capsys, *argv) -> tuple[int, dict]:
 
 def test_check_model_passes_a_served_family(tmp_path, capsys, ray_cluster):
     path = make_tiny_model(tmp_path / "phi3", arch="phi3", tie_word_embeddings=False, seed=2)
-    out = tmp_path / "result.json"
-    code, result = run_check(capsys, path, "--lora", "--json", out)
+    code, result = run_check(capsys, path, "--lora", "--output", tmp_path / "out", "-v")
     assert code == 0, result
     assert result["architecture"] == "Phi3ForCausalLM" and result["ok"]
     for name in ("serve", "storage", "broadcast", "lora"):
         assert result["checks"][name]["ok"] is True, name
         assert result["checks"][name]["gap"] < check_model.TOLERANCE
-    assert json.loads(out.read_text()) == result
+    assert json.loads((tmp_path / "out" / "phi3.json").read_text()) == result
     table = check_model.render_table([result]).splitlines()
     assert table[2].startswith(f"| {path.name} | Phi3ForCausalLM | yes (")
 
@@ -40,7 +39,9 @@ def test_check_model_fails_a_push_that_does_not_arrive(tmp_path, capsys, ray_clu
     # The replica's worker leaves one tensor out of the storage push's load.
     os.environ[TEST_SKIP_LOAD_ENV] = "check-storage=model.layers.1.self_attn.o_proj.weight"
     try:
-        code, result = run_check(capsys, path, "--transports", "storage")
+        code, result = run_check(
+            capsys, path, "--transports", "storage", "--output", tmp_path, "-v"
+        )
     finally:
         del os.environ[TEST_SKIP_LOAD_ENV]
     assert code == 1

@@ -2,7 +2,7 @@
 
 Run it once on a model before a long run::
 
-    torchrl-vllm check-model MODEL_DIR [--transports storage broadcast] [--lora] [--json OUT]
+    torchrl-vllm check-model MODEL_DIR [--transports storage broadcast] [--lora] [--output DIR]
 
 One replica on ``MODEL_DIR`` in float32, then, against transformers on the same weights:
 
@@ -15,8 +15,10 @@ One replica on ``MODEL_DIR`` in float32, then, against transformers on the same 
    linear layer pushed with :class:`~torchrl_vllm_ext.AdapterSync`; its log-probs equal
    the PEFT model's.
 
-It prints one line per check and, last, one JSON object (:func:`check_model`'s result);
-exit status 0 when every check passed, 1 otherwise, 2 on a typed error. Where vLLM
+It prints one line per check and, last, one JSON object (:func:`check_model`'s result,
+also written to ``DIR/<model>.json``; the log, vLLM's and the replica's lines included,
+goes to ``DIR/torchrl-vllm.log`` unless ``-v``); exit status 0 when every check passed,
+1 otherwise, 2 on a typed error. Where vLLM
 cannot start the model, the serve check fails with vLLM's own error and the others are
 not run. ``--render RESULTS.json`` prints the support table of ``docs/models.md`` from
 such results (a list of them, or ``{"families": [...]}``) instead.
@@ -98,7 +100,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--lora", action="store_true", help="also push a LoRA adapter (2nd replica)")
     p.add_argument("--tol", type=float, default=TOLERANCE, help=f"max |gap| ({TOLERANCE:g})")
-    p.add_argument("--json", type=Path, help="also write the result to this file")
+    p.add_argument(
+        "--output",
+        type=Path,
+        default=Path("check-model"),
+        help="directory of the log file and the JSON result (default ./check-model)",
+    )
     p.add_argument(
         "--render", type=Path, metavar="RESULTS", help="print the support table of RESULTS"
     )
@@ -114,12 +121,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.model is None:
         raise ConfigurationError("check-model needs a model directory (or --render RESULTS).")
-    result = check_model(args.model, transports=args.transports, lora=args.lora, tol=args.tol)
+    from torchrl_vllm_ext.jobs.logs import job_log_file
+
+    args.output.mkdir(parents=True, exist_ok=True)
+    log_file = None if args.verbose else job_log_file(args.output)
+    result = check_model(
+        args.model, transports=args.transports, lora=args.lora, tol=args.tol, log_file=log_file
+    )
     for name, check in result.checks.items():
         print(_line(name, check))
     out = result.to_json()
-    if args.json is not None:
-        args.json.write_text(json.dumps(out, indent=1))
+    (args.output / f"{Path(args.model).name}.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
     return 0 if result.ok else 1
 
@@ -341,7 +353,7 @@ COLUMNS = ("family", "architecture", "serve", "storage", "broadcast", "lora", "n
 
 
 def load_results(path: str | Path) -> list[dict]:
-    """Results written by ``check-model --json`` (one, or a list) or by the family matrix."""
+    """Results written by ``check-model`` (one, or a list) or by the family matrix."""
     data = json.loads(Path(path).read_text())
     if isinstance(data, dict):
         data = data.get("families", [data])
