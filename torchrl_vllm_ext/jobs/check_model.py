@@ -20,8 +20,9 @@ also written to ``DIR/<model>.json``; the log, vLLM's and the replica's lines in
 goes to ``DIR/torchrl-vllm.log`` unless ``-v``); exit status 0 when every check passed,
 1 otherwise, 2 on a typed error. Where vLLM
 cannot start the model, the serve check fails with vLLM's own error and the others are
-not run. ``--render RESULTS.json`` prints the support table of ``docs/models.md`` from
-such results (a list of them, or ``{"families": [...]}``) instead.
+not run. ``--render RESULTS.json [--into docs/models.md]`` prints (or writes between the
+document's markers) the support table from such results (a list of them, or the family
+matrix's ``{"families": [...]}``) instead.
 """
 
 from __future__ import annotations
@@ -109,6 +110,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--render", type=Path, metavar="RESULTS", help="print the support table of RESULTS"
     )
+    p.add_argument(
+        "--into", type=Path, metavar="DOC", help="with --render: replace DOC's table (markers)"
+    )
     p.set_defaults(func=run)
     return p
 
@@ -117,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
     from torchrl_vllm_ext.errors import ConfigurationError
 
     if args.render is not None:
-        print(render_table(load_results(args.render)))
+        table = render_table(load_results(args.render))
+        if args.into is None:
+            print(table)
+        else:
+            args.into.write_text(replace_table(args.into.read_text(), table))
         return 0
     if args.model is None:
         raise ConfigurationError("check-model needs a model directory (or --render RESULTS).")
@@ -349,7 +357,16 @@ def _lora_gap(service, model_dir: Path, tol: float):
 
 
 # ---------------------------------------------------------------------------- the table
-COLUMNS = ("family", "architecture", "serve", "storage", "broadcast", "lora", "notes")
+COLUMNS = {  # header -> the checks of a row it sums up (all must pass)
+    "serve": ("serve",),
+    "storage": ("storage",),
+    "broadcast": ("broadcast",),
+    "lora": ("lora",),
+    "bad push refused": ("refuse_missing", "refuse_shape"),
+    "bf16 push": ("cast",),
+}
+"""The table's check columns; the family matrix runs them all, ``check-model`` the first four."""
+TABLE_START, TABLE_END = "<!-- support-table:start -->", "<!-- support-table:end -->"
 
 
 def load_results(path: str | Path) -> list[dict]:
@@ -360,17 +377,17 @@ def load_results(path: str | Path) -> list[dict]:
     return list(data)
 
 
-def _cell(check: dict | None) -> str:
-    if not check:
+def _cell(checks: list[dict]) -> str:
+    if not checks:
         return "n/a"
-    if check.get("engine"):
+    if any(c.get("engine") for c in checks):
         return "no (vLLM)"
-    if check.get("ok") is None:
+    if any(c.get("ok") is False for c in checks):
+        return "**no**"
+    if any(c.get("ok") is None for c in checks):
         return "not run"
-    if check["ok"]:
-        gap = check.get("gap")
-        return "yes" if gap is None else f"yes ({gap:.0e})"
-    return "**no**"
+    gaps = [c["gap"] for c in checks if c.get("gap") is not None]
+    return f"yes ({max(gaps):.0e})" if gaps else "yes"
 
 
 def render_table(results: list[dict]) -> str:
@@ -383,12 +400,10 @@ def render_table(results: list[dict]) -> str:
         >>> row = {"family": "qwen3", "architecture": "Qwen3ForCausalLM",
         ...        "checks": {"serve": {"ok": True, "gap": 2e-7}}}
         >>> print(render_table([row]).splitlines()[2])
-        | qwen3 | Qwen3ForCausalLM | yes (2e-07) | n/a | n/a | n/a |  |
+        | qwen3 | Qwen3ForCausalLM | yes (2e-07) | n/a | n/a | n/a | n/a | n/a |  |
     """
-    lines = [
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
-    ]
+    headers = ["family", "architecture", *COLUMNS, "notes"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in results:
         checks = row.get("checks", {})
         notes = [row["note"]] if row.get("note") else []
@@ -400,11 +415,19 @@ def render_table(results: list[dict]) -> str:
         cells = [
             row.get("family") or Path(row.get("model", "?")).name,
             row.get("architecture", "?"),
-            *(_cell(checks.get(name)) for name in CHECKS),
+            *(_cell([checks[n] for n in names if n in checks]) for names in COLUMNS.values()),
             "; ".join(_one_line(n) for n in notes),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def replace_table(document: str, table: str) -> str:
+    """``document`` with the text between its table markers replaced by ``table``."""
+    start, end = document.find(TABLE_START), document.find(TABLE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"no {TABLE_START} ... {TABLE_END} markers in the document.")
+    return document[: start + len(TABLE_START)] + "\n" + table + "\n" + document[end:]
 
 
 def _one_line(text: str, limit: int = 300) -> str:
