@@ -21,6 +21,7 @@ import os
 import re
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def _write_results():
     if not path or not RESULTS:
         return
     try:
-        old = json.loads(open(path).read())["families"]
+        old = json.loads(Path(path).read_text())["families"]
     except (OSError, ValueError, KeyError):
         old = []
     rows = {r["family"]: r for r in old} | RESULTS
