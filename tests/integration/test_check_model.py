@@ -29,6 +29,8 @@ def test_check_model_passes_a_served_family(tmp_path, capsys, ray_cluster):
     for name in ("serve", "storage", "broadcast", "lora"):
         assert result["checks"][name]["ok"] is True, name
         assert result["checks"][name]["gap"] < check_model.TOLERANCE
+    for name in ("storage", "broadcast"):  # the scheme's own value check ran too
+        assert result["checks"][name]["probe_gap"] < check_model.TOLERANCE
     assert json.loads((tmp_path / "out" / "phi3.json").read_text()) == result
     table = check_model.render_table([result]).splitlines()
     assert table[2].startswith(f"| {path.name} | Phi3ForCausalLM | yes (")

@@ -63,6 +63,8 @@ class Check:
     seconds: float = 0.0
     engine: bool = False
     """vLLM itself refused (its start-up error): an engine limit, not this package's."""
+    probe_gap: float | None = None
+    """Push checks: the scheme's own value check (``SyncReport.probe_gap``, mean gap)."""
 
 
 @dataclass
@@ -257,12 +259,14 @@ def engine_reason(error) -> str:
 
 def _run(checks: dict, name: str, fn) -> None:
     t0 = time.perf_counter()
+    probe_gap = None
     try:
-        ok, gap, error = fn()
+        ok, gap, error, *rest = fn()
+        probe_gap = rest[0] if rest else None
     except Exception as e:  # a failed check is a result, with the typed error's message
         logger.exception("check %s failed", name)
         ok, gap, error = False, None, f"{type(e).__name__}: {e}"
-    checks[name] = Check(ok, gap, error, time.perf_counter() - t0)
+    checks[name] = Check(ok, gap, error, time.perf_counter() - t0, probe_gap=probe_gap)
 
 
 def _verdict(gap: float, tol: float) -> tuple[bool, float, str | None]:
@@ -322,7 +326,7 @@ def _push_gap(service, trainer, transport: str, seed: int, tol: float):
     ids = probe_ids(service.config.model)
     gap = _gap(model_logprobs(trainer, ids), _scored(service, ids))
     logger.info("%s push: probe gap %s, max |gap| %.2e", transport, report.probe_gap, gap)
-    return _verdict(gap, tol)
+    return (*_verdict(gap, tol), max(report.probe_gap.values(), default=None))
 
 
 def _lora_gap(service, model_dir: Path, tol: float):
