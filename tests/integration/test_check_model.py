@@ -8,7 +8,7 @@ import json
 import os
 
 from torchrl_vllm_ext.cli import build_parser
-from torchrl_vllm_ext.jobs import check_model
+from torchrl_vllm_ext.jobs import check_model, support_table
 from torchrl_vllm_ext.protocol import TEST_SKIP_LOAD_ENV
 from torchrl_vllm_ext.testing import make_tiny_model
 
@@ -32,7 +32,7 @@ def test_check_model_passes_a_served_family(tmp_path, capsys, ray_cluster):
     for name in ("storage", "broadcast"):  # the scheme's own value check ran too
         assert result["checks"][name]["probe_gap"] < check_model.TOLERANCE
     assert json.loads((tmp_path / "out" / "phi3.json").read_text()) == result
-    table = check_model.render_table([result]).splitlines()
+    table = support_table.render_table([result]).splitlines()
     assert table[2].startswith(f"| {path.name} | Phi3ForCausalLM | yes (")
 
 
@@ -61,5 +61,5 @@ def test_check_model_reports_vllms_reason(tmp_path, ray_cluster):
     assert serve.ok is False and serve.engine
     assert "Unsupported CPU attention" in serve.error and "engine arguments" not in serve.error
     assert result.checks["storage"].ok is None and not result.ok
-    row = check_model.render_table([result.to_json()]).splitlines()[2]
+    row = support_table.render_table([result.to_json()]).splitlines()[2]
     assert "| no (vLLM) |" in row and "Unsupported CPU attention" in row

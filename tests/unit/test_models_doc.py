@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchrl_vllm_ext.jobs.check_model import (
+from torchrl_vllm_ext.jobs.support_table import (
     COLUMNS,
     TABLE_END,
     TABLE_START,
