@@ -18,9 +18,8 @@ One replica on ``MODEL_DIR`` in float32, then, against transformers on the same 
 It prints one line per check and, last, one JSON object (:func:`check_model`'s result,
 also written to ``DIR/<model>.json``; the log, vLLM's and the replica's lines included,
 goes to ``DIR/torchrl-vllm.log`` unless ``-v``); exit status 0 when every check passed,
-1 otherwise, 2 on a typed error. Where vLLM
-cannot start the model, the serve check fails with vLLM's own error and the others are
-not run. ``--render RESULTS.json [--into docs/models.md]`` prints (or writes between the
+1 otherwise, 2 on a typed error. Where vLLM cannot start the model, the serve check fails
+with vLLM's own error and the others are not run. ``--render RESULTS.json [--into docs/models.md]`` prints (or writes between the
 document's markers) the support table from such results (a list of them, or the family
 matrix's ``{"families": [...]}``) instead.
 """
@@ -34,6 +33,7 @@ import math
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -184,12 +184,10 @@ def check_model(
     trainer = AutoModelForCausalLM.from_pretrained(
         model, dtype=torch.float32, **reference_attention(config)
     ).eval()
-    with _service(model, launch_kwargs, result.checks, "serve") as service:
+    with _one_replica(model, launch_kwargs, result.checks, "serve") as service:
         if service is not None:
             _run(result.checks, "serve", lambda: _serve_gap(service, trainer, tol))
-            for i, transport in enumerate(transports):
-                if result.checks["serve"].ok is None:
-                    break
+            for i, transport in enumerate(transports):  # also after a serve mismatch
                 _run(
                     result.checks,
                     transport,
@@ -199,48 +197,38 @@ def check_model(
             for transport in transports:
                 result.checks[transport] = Check(error="not run: the model was not served")
     if lora:
-        if result.checks["serve"].ok is None:
+        if result.checks["serve"].engine:  # vLLM refused the model itself
             result.checks["lora"] = Check(error="not run: the model was not served")
         else:
             lora_kwargs = {**launch_kwargs, "enable_lora": True, "max_lora_rank": LORA_RANK}
-            with _service(model, lora_kwargs, result.checks, "lora") as service:
+            with _one_replica(model, lora_kwargs, result.checks, "lora") as service:
                 if service is not None:
                     _run(result.checks, "lora", lambda: _lora_gap(service, model, tol))
     result.seconds = time.perf_counter() - start
     return result
 
 
-class _service:
-    """A one-replica service for a ``with`` block; ``None`` (and the check's error set to
-    vLLM's reason) when it cannot start."""
+@contextmanager
+def _one_replica(model, launch_kwargs: dict, checks: dict, name: str):
+    """A one-replica service for a ``with`` block, shut down at its end; ``None`` (and the
+    check ``name`` failed with vLLM's reason) when vLLM cannot start the model."""
+    from torchrl_vllm_ext import VLLMService
+    from torchrl_vllm_ext.errors import ReplicaStartupError
 
-    def __init__(self, model, launch_kwargs, checks, name):
-        self.args = model, launch_kwargs
-        self.checks, self.name = checks, name
-        self.service = None
-
-    def __enter__(self):
-        from torchrl_vllm_ext import VLLMService
-        from torchrl_vllm_ext.errors import ReplicaStartupError
-
-        model, kwargs = self.args
-        options = {"health_check_interval": 0, **ENGINE_KWARGS, **kwargs}
-        t0 = time.perf_counter()
-        try:
-            self.service = VLLMService.launch(model, num_replicas=1, **options)
-        except ReplicaStartupError as e:
-            logger.warning("%s: vLLM could not start %s: %s", self.name, model, e)
-            self.checks[self.name] = Check(
-                ok=False,
-                error=f"vLLM: {engine_reason(e)}",
-                seconds=time.perf_counter() - t0,
-                engine=True,
-            )
-        return self.service
-
-    def __exit__(self, *exc):
-        if self.service is not None:
-            self.service.shutdown()
+    options = {"health_check_interval": 0, **ENGINE_KWARGS, **launch_kwargs}
+    t0 = time.perf_counter()
+    try:
+        service = VLLMService.launch(model, num_replicas=1, **options)
+    except ReplicaStartupError as e:
+        logger.warning("%s: vLLM could not start %s: %s", name, model, e)
+        reason = f"vLLM: {engine_reason(e)}"
+        checks[name] = Check(False, error=reason, seconds=time.perf_counter() - t0, engine=True)
+        yield None
+        return
+    try:
+        yield service
+    finally:
+        service.shutdown()
 
 
 def _run(checks: dict, name: str, fn) -> None:
