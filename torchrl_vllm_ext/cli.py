@@ -5,6 +5,8 @@
 - ``bench``: run the benchmarks and print one JSON table (``jobs/bench.py``).
 - ``doctor``: the package's leftovers on this machine; ``--clean`` removes the dead
   owners' (``jobs/doctor.py``).
+- ``check-model``: serve a model on one replica, score it against transformers, push
+  round trips on both transports (``jobs/check_model.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 
 from torchrl_vllm_ext.jobs.logs import LOG_FILE_NAME, job_log_file, setup_logging
 
-JOBS = ("demo", "generate", "bench", "doctor")
+JOBS = ("demo", "generate", "bench", "doctor", "check_model")
 
 
 def build_parser() -> argparse.ArgumentParser:

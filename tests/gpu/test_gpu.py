@@ -137,3 +137,15 @@ def test_bench_sync_runs_on_gpu():
     figures = json.loads(out.stdout)
     assert figures["broadcast_push_s"] > 0 and figures["storage_push_s"] > 0
     print(json.dumps(figures))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_moe_adapter_pushes_where_vllm_cpu_has_no_moe_lora(arch, tmp_path):
+    """docs/models.md's "no (vLLM)" LoRA cells of the MoE rows: vLLM's LoRA for MoE layers
+    is a Triton kernel, which vLLM-CPU lacks. On CUDA, check-model's every check passes
+    (fp32; 1e-3: the replica's kernels on GPU, the reference on CPU)."""
+    from torchrl_vllm_ext.jobs.check_model import check_model
+
+    path = make_tiny_model(tmp_path / arch, arch=arch, seed=1)
+    result = check_model(path, lora=True, tol=1e-3)
+    assert result.ok and result.checks["lora"].ok, result.to_json()

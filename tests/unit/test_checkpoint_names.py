@@ -55,3 +55,52 @@ def test_the_reference_model_scores_checkpoint_tensors_like_the_trainer(moe):
     reference = ReferenceModel(path, names.checkpoint_writers)
     ids = probe_ids(path)
     assert reference.logprobs(sent, ids) == pytest.approx(model_logprobs(model, ids), abs=1e-6)
+
+
+def _sent(path, weights):
+    """What a push of ``weights`` sends (the scheme's validate step)."""
+    names = CheckpointNames(path, expected_specs(path))
+    tensors = {k: v.detach() for k, v in weights.items()}
+    if names.needed(tensors):
+        tensors = names.to_checkpoint(tensors)
+    return validate(tensors, names.expected, optional=names.stale(tensors)), names
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt"])
+def test_published_layouts_take_the_trainers_names(arch, tmp_path):
+    # GPT-2's and OPT's published checkpoints: base-model names (no transformer. / model.
+    # prefix), GPT-2's attention-mask buffers saved. Both engines load them; so must a push.
+    path = make_tiny_model(tmp_path / arch, arch=arch, layout="hub", seed=4)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    state = model.state_dict()
+    for weights in (state, {k: v.clone() for k, v in state.items()}):  # module, FSDP-like copy
+        sent, names = _sent(path, weights)
+        assert set(sent) == set(names.expected) - names.stale(sent)
+    stale = names.stale({})
+    assert stale == {n for n in names.expected if ".attn.bias" in n or "masked_bias" in n}
+    assert (arch == "gpt2") == bool(stale)
+    # Values, by name: the checkpoint's tensors are the module's.
+    ckpt = load_file(str(path / "model.safetensors"))
+    for name, t in sent.items():
+        torch.testing.assert_close(t, ckpt[name], atol=0, rtol=0)
+    # A real tensor missing is still named, as the checkpoint spells it.
+    partial = {k: v for k, v in state.items() if not k.endswith("layers.1.fc1.weight")}
+    partial = {k: v for k, v in partial.items() if not k.endswith("h.1.mlp.c_fc.weight")}
+    with pytest.raises(
+        WeightSyncError, match=r"(h\.1\.mlp\.c_fc|decoder\.layers\.1\.fc1)\.weight' is"
+    ):
+        _sent(path, partial)
+    # The value check's reference model takes the pushed tensors under those names.
+    ids = probe_ids(path)
+    reference = ReferenceModel(path, names.checkpoint_writers)
+    assert reference.logprobs(sent, ids) == model_logprobs(model, ids)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "gemma2"])
+def test_a_tied_head_pushed_as_its_own_copy_is_accepted(arch, tmp_path):
+    # A gathered (FSDP) or cloned state dict holds the tied LM head as a separate tensor;
+    # the checkpoint stores none, whatever its embedding is named (wte, decoder.embed_tokens).
+    path = make_tiny_model(tmp_path / arch, arch=arch, tie_word_embeddings=True)
+    state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    sent, names = _sent(path, {k: v.clone() for k, v in state.items()})
+    assert "lm_head.weight" not in sent and set(sent) == set(names.expected)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from torchrl_vllm_ext.testing import make_tiny_model
+from torchrl_vllm_ext.testing import FAMILIES, make_tiny_model
 
 
 @pytest.mark.parametrize(
@@ -51,9 +51,42 @@ def test_tiny_model_is_cached_and_deterministic(tmp_path):
 
 
 def test_tiny_model_rejects_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="arch='gpt2'"):
-        make_tiny_model(tmp_path / "x", arch="gpt2")
+    with pytest.raises(ValueError, match="arch='bert'"):
+        make_tiny_model(tmp_path / "x", arch="bert")
     (tmp_path / "occupied").mkdir()
     (tmp_path / "occupied" / "file.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="not a tiny model"):
         make_tiny_model(tmp_path / "occupied")
+
+
+# The structure each family must have in transformers (what the matrix then serves).
+STRUCTURE = {
+    "qwen3": lambda c: c.head_dim == 32,
+    "llama3": lambda c: c.rope_parameters["rope_type"] == "llama3",
+    "gemma2": lambda c: c.attn_logit_softcapping and c.final_logit_softcapping,
+    "gemma3_text": lambda c: set(c.layer_types) == {"sliding_attention", "full_attention"},
+    "granite": lambda c: c.embedding_multiplier != 1.0 and c.logits_scaling != 1.0,
+    "gpt2": lambda c: c.n_embd == 128 and c.n_layer == 2,
+    "opt": lambda c: c.ffn_dim == 256 and c.word_embed_proj_dim == 128,
+}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+@pytest.mark.parametrize("tie", [True, False])
+def test_every_family_builds_with_its_structure(tmp_path, arch, tie):
+    path = make_tiny_model(tmp_path / "m", arch=arch, tie_word_embeddings=tie, seed=2)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    config = model.config
+    assert config.model_type == arch.replace("llama3", "llama")
+    assert type(model).__name__ == FAMILIES[arch].model_cls
+    assert config.hidden_size == 128 and config.num_hidden_layers == 2
+    assert config.hidden_size // config.num_attention_heads in (32, 64)  # vLLM-CPU head sizes
+    tied = model.get_output_embeddings().weight.data_ptr() == (
+        model.get_input_embeddings().weight.data_ptr()
+    )
+    assert tied is tie
+    assert STRUCTURE.get(arch, lambda c: True)(config)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([list(range(5, 45))])).logits[0], -1)
+    entropy = -(logp.exp() * logp).sum(-1).mean()
+    assert torch.isfinite(logp).all() and 1.0 < entropy < 6.0, "peaked, not degenerate"

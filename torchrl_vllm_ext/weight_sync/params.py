@@ -111,16 +111,21 @@ def named_tensors(weights) -> dict[str, torch.Tensor]:
 
 
 def validate(
-    weights: dict[str, torch.Tensor], expected: dict[str, TensorSpec], check_finite: bool = True
+    weights: dict[str, torch.Tensor],
+    expected: dict[str, TensorSpec],
+    check_finite: bool = True,
+    optional: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     """Check names, shapes and finiteness; return the tensors to send, in the checkpoint's order.
 
     ``check_finite=False`` leaves :func:`require_finite` to the caller (the storage
-    writer runs it in its copy pass).
+    writer runs it in its copy pass). ``optional``: checkpoint tensors the push may
+    leave out (no parameter of the architecture holds them; the engine skips them).
 
     Names that the checkpoint lacks are dropped only when they alias a tensor that is
     sent, or are the LM head of a checkpoint that stores none (tied embeddings).
     """
+    expected = {n: s for n, s in expected.items() if n in weights or n not in optional}
     missing = [n for n in expected if n not in weights]
     if missing:
         raise WeightSyncError(
@@ -129,7 +134,10 @@ def validate(
         )
     sent_ptrs = {weights[n].untyped_storage().data_ptr() for n in expected}
     for name, t in weights.items():
-        tied = name == "lm_head.weight" and "model.embed_tokens.weight" in expected
+        # A checkpoint without an LM head ties it to the input embedding (whatever that
+        # is named: model.embed_tokens, transformer.wte, model.decoder.embed_tokens):
+        # the pushed head may be its own copy (a gathered FSDP state dict, a clone).
+        tied = name == "lm_head.weight" and name not in expected
         if name not in expected and not tied and t.untyped_storage().data_ptr() not in sent_ptrs:
             raise WeightSyncError(
                 f"parameter {name!r} is not in the served checkpoint; check the parameter names "

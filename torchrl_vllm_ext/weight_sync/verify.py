@@ -85,6 +85,25 @@ def plain_causal_lm(weights) -> bool:
     return not any(m._forward_hooks or m._forward_pre_hooks for m in weights.modules())
 
 
+def reference_attention(config) -> dict:
+    """``from_pretrained`` keywords for a transformers copy that computes what vLLM serves.
+
+    NOTE: transformers' default attention (sdpa) has no soft-capping: for Gemma 2 it
+    silently drops ``attn_logit_softcapping``, which vLLM applies (log-probs ~1e-3 apart
+    on a tiny model); only the eager implementation caps the scores.
+
+    Examples:
+        >>> from types import SimpleNamespace
+        >>> reference_attention(SimpleNamespace(attn_logit_softcapping=50.0))
+        {'attn_implementation': 'eager'}
+        >>> reference_attention(SimpleNamespace())
+        {}
+    """
+    if getattr(config, "attn_logit_softcapping", None):
+        return {"attn_implementation": "eager"}
+    return {}
+
+
 class ReferenceModel:
     """The served architecture in transformers, for pushes given as tensors (not a model).
 
@@ -95,9 +114,12 @@ class ReferenceModel:
     """
 
     def __init__(self, model_dir: str | Path, checkpoint_writers):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto").eval()
+        config = AutoConfig.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype="auto", **reference_attention(config)
+        ).eval()
         with torch.no_grad():
             self.writers = checkpoint_writers(self.model)
 

