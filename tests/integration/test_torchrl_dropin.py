@@ -105,6 +105,12 @@ def test_torchrl_vllm_wrapper_generates_through_the_service(engine, tokenizer, h
     for ids, lps in zip(full, response, strict=True):
         expected = hf_token_logprobs(hf_model, ids.tolist())[-len(lps) :]
         torch.testing.assert_close(lps.float(), expected, atol=1e-4, rtol=0)
+    # Scoring (TorchRL's reference / old-policy log-probs: vLLM's prompt log-probs).
+    scorer = vLLMWrapper(engine, input_mode="tokens", generate=False)
+    ids = full[0].tolist()
+    scored = scorer(TensorDict({("tokens", "full"): torch.tensor([ids])}, batch_size=[1]))
+    got = scored.get(("log_probs", "full"), as_list=True)[0]
+    torch.testing.assert_close(got[1:].float(), hf_token_logprobs(hf_model, ids), atol=1e-4, rtol=0)
     # Our policy with TorchRL's defaults (history, the service's tokenizer): same keys.
     ours = VLLMPolicy(engine, generate_kwargs={"max_tokens": 6})(chat_td())
     assert set(ours.keys(True, True)) >= set(out.keys(True, True)) - {("text", "full")}
