@@ -207,6 +207,34 @@ def reap(base: str | Path | None = None) -> list[Path]:
     return removed
 
 
+def release_semaphores() -> int:
+    """Unlink the named semaphores (``/dev/shm/sem.mp-*``) of this process's live
+    multiprocessing locks; how many. For a process about to be killed (a Ray actor after
+    its shutdown): vLLM's executor lock and tqdm's write lock live as long as the
+    process, so their names are unlinked only by finalizers at a normal exit, which a
+    killed process never reaches. The locks keep working: an open semaphore outlives
+    its name.
+
+    Examples:
+        >>> import multiprocessing
+        >>> lock = multiprocessing.get_context("spawn").Lock()
+        >>> release_semaphores() >= 1
+        True
+        >>> with lock:
+        ...     pass
+    """
+    from multiprocessing import synchronize, util
+
+    released = 0
+    for finalizer in list(util._finalizer_registry.values()):
+        # NOTE: private registry; each live SemLock of a spawn/forkserver context has a
+        # finalizer whose callback unlinks its name and unregisters it from the tracker.
+        if getattr(finalizer, "_callback", None) is synchronize.SemLock._cleanup:
+            finalizer()
+            released += 1
+    return released
+
+
 __all__ = [
     "OWNER_FILE",
     "PREFIX",
@@ -217,6 +245,7 @@ __all__ = [
     "owned_dir",
     "read_owner",
     "reap",
+    "release_semaphores",
     "remove_at_exit",
     "remove_owned",
     "shm_base",

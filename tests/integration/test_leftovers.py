@@ -1,6 +1,6 @@
 """Nothing left behind: a trainer that launches a service (its own Ray), pushes weights
 twice through storage, pushes two LoRA adapter versions (one retired) and closes
-everything leaves no directory in /dev/shm and no process of its Ray session.
+everything leaves no directory or semaphore in /dev/shm and no process of its Ray session.
 
 The trainer runs in a child process, so its Ray cluster is its own and the check sees
 exactly what it made (its directories carry a tag of their own in their owner marker).
@@ -14,11 +14,19 @@ import subprocess
 import sys
 import uuid
 
-from ..helpers import TRAINER_RUN, ours_tagged, processes_of, trainer_env, wait_until
+from ..helpers import (
+    TRAINER_RUN,
+    ours_tagged,
+    processes_of,
+    shm_names,
+    trainer_env,
+    wait_until,
+)
 
 
 def test_launch_push_adapters_close_leaves_nothing(tiny_model, tmp_path):
     tag = f"test-close-{uuid.uuid4().hex[:8]}"
+    before = shm_names()
     run = subprocess.run(
         [sys.executable, "-c", TRAINER_RUN, str(tiny_model), str(tmp_path), "close"],
         env=trainer_env(tag),
@@ -40,3 +48,6 @@ def test_launch_push_adapters_close_leaves_nothing(tiny_model, tmp_path):
         interval=0.5,
         what=f"the processes of {info['session']} to exit: {processes_of(info['session'])}",
     )
+    # Nor a named semaphore: a replica's locks (vLLM's, tqdm's) live until Ray kills it,
+    # so its shutdown unlinks their names (each run left one per replica before).
+    assert not {n for n in shm_names() - before if n.startswith("sem.")}

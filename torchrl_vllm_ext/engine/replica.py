@@ -431,6 +431,9 @@ class VLLMReplica:
         if self._shipped is not None:
             shutil.rmtree(self._shipped, ignore_errors=True)
             self._shipped = None
+        # Ray kills this process next: nothing would unlink its locks' semaphores.
+        released = leftovers.release_semaphores()
+        logger.debug("replica %d released %d named semaphore(s)", self.replica_id, released)
 
     def _require_engine(self) -> Engine:
         if self.engine is None:
