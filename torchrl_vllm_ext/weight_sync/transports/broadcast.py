@@ -16,6 +16,7 @@ naming it; the group is formed again on the next push. Every wait has a deadline
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -41,6 +42,8 @@ STAGED_POLL_S = 0.005
 SENDING_POLL_S = 0.25
 """Seconds between the same checks while the buckets are being sent (a heartbeat: a
 replica that stops answering them is found while the send still runs)."""
+
+logger = logging.getLogger(__name__)
 
 
 class BroadcastTransport(Transport):
@@ -217,13 +220,34 @@ class BroadcastTransport(Transport):
 
     def _drop_group(self) -> None:
         if self.group is not None:
-            for r in self.fleet.ready():
-                if (r.replica_id, r.info.pid) in self._members:
-                    r.handle.collective_rpc.remote(WorkerMethods.CLOSE_BROADCAST)
+            closing = [
+                r.handle.collective_rpc.remote(WorkerMethods.CLOSE_BROADCAST)
+                for r in self.fleet.ready()
+                if (r.replica_id, r.info.pid) in self._members
+            ]
             # NOTE: freeing a group whose member stopped answering blocks (the rendezvous
             # store's shutdown waits on it): off the event loop, which serves everyone.
-            threading.Thread(target=self.group.close, name="tvllm-group-close", daemon=True).start()
+            threading.Thread(
+                target=self._close_group,
+                args=(self.group, closing, self.deadline.answer_s),
+                name="tvllm-group-close",
+                daemon=True,
+            ).start()
         self.group, self._members = None, ()
+
+    @staticmethod
+    def _close_group(group: BroadcastGroup, closing: list, timeout_s: float) -> None:
+        group.close()
+        if not closing:
+            return
+        # The workers' answers, read so that a replica shut down meanwhile is not an
+        # "unhandled error" in Ray's log: its group went with its process.
+        done, _ = ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as e:
+                logger.debug("a worker's broadcast group close failed (%s)", e)
 
     def close(self) -> None:
         self._drop_group()
