@@ -105,6 +105,12 @@ def test_torchrl_vllm_wrapper_generates_through_the_service(engine, tokenizer, h
     for ids, lps in zip(full, response, strict=True):
         expected = hf_token_logprobs(hf_model, ids.tolist())[-len(lps) :]
         torch.testing.assert_close(lps.float(), expected, atol=1e-4, rtol=0)
+    # GRPO groups: n samples per prompt in one request.
+    grouped = vLLMWrapper(
+        engine, input_mode="tokens", num_samples=3, generate_kwargs={"max_tokens": 3}
+    )(TensorDict({("tokens", "prompt"): torch.tensor([[5, 6, 7]])}, batch_size=[1]))
+    assert grouped.batch_size == (1, 3)
+    assert grouped.get(("tokens", "response"), as_padded_tensor=True).shape == (1, 3, 3)
     # Scoring (TorchRL's reference / old-policy log-probs: vLLM's prompt log-probs).
     scorer = vLLMWrapper(engine, input_mode="tokens", generate=False)
     ids = full[0].tolist()
