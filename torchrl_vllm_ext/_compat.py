@@ -188,15 +188,20 @@ def tokens_so_far(output_processor, external_ids: set[str]) -> dict[tuple[str, i
 
 def inproc_shutdown(llm_engine) -> None:
     """Release an in-process ``LLMEngine``'s engine core (its executor and model) and the
-    distributed environment it set up in this process: its process group's file-store
-    rendezvous (``/tmp/vllm_dist_*``) is removed when the group is destroyed, and the
-    replica's process is killed next."""
+    distributed environment it set up in this process."""
+    llm_engine.engine_core.shutdown()
+    release_distributed()
+
+
+def release_distributed() -> None:
+    """Destroy the distributed environment vLLM set up in this process (none: a no-op):
+    its process group's file-store rendezvous (``/tmp/vllm_dist_*``) goes with it, which
+    a replica's process, killed by Ray next, would leave."""
     from vllm.distributed.parallel_state import (
         destroy_distributed_environment,
         destroy_model_parallel,
     )
 
-    llm_engine.engine_core.shutdown()
     destroy_model_parallel()
     destroy_distributed_environment()
 

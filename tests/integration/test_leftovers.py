@@ -1,6 +1,7 @@
 """Nothing left behind: a trainer that launches a service (its own Ray), pushes weights
 twice through storage, pushes two LoRA adapter versions (one retired) and closes
-everything leaves no directory or semaphore in /dev/shm and no process of its Ray session.
+everything leaves no directory or semaphore in /dev/shm, no vLLM rendezvous file in the temp
+directory and no process of its Ray session.
 
 The trainer runs in a child process, so its Ray cluster is its own and the check sees
 exactly what it made (its directories carry a tag of their own in their owner marker).
@@ -8,10 +9,12 @@ exactly what it made (its directories carry a tag of their own in their owner ma
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import uuid
 
 from ..helpers import (
@@ -27,6 +30,8 @@ from ..helpers import (
 def test_launch_push_adapters_close_leaves_nothing(tiny_model, tmp_path):
     tag = f"test-close-{uuid.uuid4().hex[:8]}"
     before = shm_names()
+    rendezvous = os.path.join(tempfile.gettempdir(), "vllm_dist_*")
+    before_rendezvous = set(glob.glob(rendezvous))
     run = subprocess.run(
         [sys.executable, "-c", TRAINER_RUN, str(tiny_model), str(tmp_path), "close"],
         env=trainer_env(tag),
@@ -51,3 +56,5 @@ def test_launch_push_adapters_close_leaves_nothing(tiny_model, tmp_path):
     # Nor a named semaphore: a replica's locks (vLLM's, tqdm's) live until Ray kills it,
     # so its shutdown unlinks their names (each run left one per replica before).
     assert not {n for n in shm_names() - before if n.startswith("sem.")}
+    # Nor vLLM's file-store rendezvous of the replica's process group.
+    assert not set(glob.glob(rendezvous)) - before_rendezvous

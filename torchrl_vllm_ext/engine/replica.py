@@ -23,6 +23,7 @@ from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._compat import (
     engine_dead_errors,
     lora_request,
+    release_distributed,
     vllm_engine_api,
     vllm_validation_errors,
 )
@@ -162,6 +163,7 @@ class VLLMReplica:
                 [f"warm-up-{self.replica_id}-{os.getpid()}"],
             )
         except Exception as e:
+            await asyncio.to_thread(self._release_failed_start)
             raise ReplicaStartupError(
                 f"replica {self.replica_id} could not start vLLM on {self._model!r}: "
                 f"{root_cause(e)} (engine arguments: {kwargs})"
@@ -421,6 +423,20 @@ class VLLMReplica:
             [tag],
         )
         return prompt_logprobs_of(done[0])
+
+    def _release_failed_start(self) -> None:
+        """What a start that failed half-way made in this process (the pool kills it
+        next): the engine, vLLM's distributed environment, named semaphores."""
+        try:
+            if self.engine is not None:
+                self.engine.shutdown()
+                self.engine = None
+            release_distributed()
+        except Exception:  # the start's own error is the one to report
+            logger.debug(
+                "replica %d: cleanup after a failed start failed", self.replica_id, exc_info=True
+            )
+        leftovers.release_semaphores()
 
     # ------------------------------------------------------------------ lifecycle
     async def shutdown(self) -> None:
