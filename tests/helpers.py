@@ -20,6 +20,7 @@ import torch
 from torchrl_vllm_ext import VLLMService
 from torchrl_vllm_ext.batches import RequestBatch
 from torchrl_vllm_ext.errors import TorchRLVLLMError
+from torchrl_vllm_ext.jobs.check_model import perturb  # noqa: F401 (the tests' training step)
 from torchrl_vllm_ext.messages import ReplicaInfo, RequestData, SampleData
 
 # Small and exact: fp32 so replica log-probs can be compared with transformers'.
@@ -112,14 +113,6 @@ def replica_logprobs(service, ids=SEQUENCE) -> dict[int, tuple[torch.Tensor, str
     )
     assert {d.replica_id for d in data} == set(service.replica_ids)
     return {d.replica_id: (torch.tensor(d.prompt_logprobs[1:]), d.weight_version_end) for d in data}
-
-
-def perturb(model, seed: int) -> None:
-    """Add seeded noise to every parameter (a stand-in for a training step)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
 def assert_replicas_match(service, model, version: str, tol: float = 1e-4) -> float:

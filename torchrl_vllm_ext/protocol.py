@@ -22,6 +22,17 @@ WORKER_EXTENSION = "torchrl_vllm_ext.weight_sync.worker.WeightSyncWorkerExtensio
 """vLLM ``worker_extension_cls`` of every replica: the receivers of both transports."""
 ACTOR_EXTENSION = "torchrl_vllm_ext.weight_sync.actor.WeightSyncActorExtension"
 """Actor extension of every replica: storage staging in the actor."""
+ENGINE_UPDATES = "torchrl_vllm_ext.weight_sync.engine_updates.EngineUpdates"
+"""What the service's TorchRL engine weight calls (``RLvLLMEngine.update_weights``, ...)
+go through: built with the service on first use (``EngineUpdates(service)``)."""
+
+
+def load_class(path: str) -> type:
+    """The class a dotted path names (the extensions and engine updates above)."""
+    import importlib
+
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
 
 
 class WorkerMethods:

@@ -11,7 +11,7 @@ import torch
 from torchrl.modules.llm import TransformersWrapper
 
 from torchrl_vllm_ext import InvalidRequestError, VLLMPolicy, WeightSyncError, WeightSyncScheme
-from torchrl_vllm_ext.engine.prompt_forms import parse_prompts, text_encoder
+from torchrl_vllm_ext.engine.prompt_forms import encode_texts, parse_prompts
 from torchrl_vllm_ext.engine.service import VLLMService
 from torchrl_vllm_ext.engine.torchrl_engine import lora_name, register_engine
 from torchrl_vllm_ext.errors import ConfigurationError
@@ -72,10 +72,10 @@ def test_unserved_prompt_forms_are_named(prompts, match):
         parse_prompts(prompts, encode)
 
 
-def test_text_encoder_adds_special_tokens_like_vllm(tokenizer):
-    ids = text_encoder(tokenizer)(["hello world"])[0]
+def test_encode_texts_adds_special_tokens_like_vllm(tokenizer):
+    ids = encode_texts(tokenizer, ["hello world"])[0]
     assert ids == tokenizer("hello world", add_special_tokens=True)["input_ids"]
-    off = text_encoder(tokenizer, {"add_special_tokens": False})(["hello world"])[0]
+    off = encode_texts(tokenizer, ["hello world"], {"add_special_tokens": False})[0]
     assert off == tokenizer("hello world", add_special_tokens=False)["input_ids"]
 
 

@@ -17,7 +17,12 @@ from torchrl_vllm_ext.engine.placement import PLACEMENTS
 from torchrl_vllm_ext.engine.routing import validate_strategies
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.hf import model_dir
-from torchrl_vllm_ext.protocol import ACTOR_EXTENSION, PACKED_WEIGHTS_ENV, WORKER_EXTENSION
+from torchrl_vllm_ext.protocol import (
+    ACTOR_EXTENSION,
+    ENGINE_UPDATES,
+    PACKED_WEIGHTS_ENV,
+    WORKER_EXTENSION,
+)
 
 DEFAULT_ROUTING = ("session", "prefix", "least_outstanding")
 ENGINE_PROCESS_ENV = "TORCHRL_VLLM_ENGINE_PROCESS"
@@ -76,6 +81,10 @@ class ServiceConfig:
     """vLLM ``worker_extension_cls`` of the replicas: the weight-sync receivers."""
     actor_extension_cls: str | None = ACTOR_EXTENSION
     """Class instantiated in each replica actor (``VLLMReplica.extension_call``)."""
+    engine_updates_cls: str | None = ENGINE_UPDATES
+    """Class TorchRL's engine weight calls on the service go through (``update_weights``,
+    ``init_weight_update_group``, ...), built as ``cls(service)`` on first use and
+    closed with the service; None: those calls raise."""
     startup_timeout: float = 900.0
     """Seconds a replica may take to start its engine."""
     placement_timeout: float = 60.0

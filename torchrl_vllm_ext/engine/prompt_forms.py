@@ -51,7 +51,8 @@ def parse_prompts(
 ) -> ParsedPrompts:
     """Token ids of every prompt in ``prompts`` (one prompt or a list of them).
 
-    ``encode`` tokenizes the text prompts (called once, with all of them).
+    ``encode`` tokenizes the text prompts (called once, with all of them; e.g.
+    :func:`encode_texts` with a tokenizer).
 
     Examples:
         >>> enc = lambda texts: [[len(t)] for t in texts]
@@ -102,15 +103,13 @@ def parse_prompts(
     return ParsedPrompts(token_ids, texts)
 
 
-def text_encoder(tokenizer, tokenization_kwargs: Mapping[str, Any] | None = None):
-    """``encode`` for :func:`parse_prompts`: the tokenizer's ids, special tokens added as
-    vLLM's renderer adds them unless ``tokenization_kwargs`` say otherwise."""
+def encode_texts(
+    tokenizer, texts: list[str], tokenization_kwargs: Mapping[str, Any] | None = None
+) -> list[list[int]]:
+    """The tokenizer's ids of ``texts``, special tokens added as vLLM's renderer adds
+    them unless ``tokenization_kwargs`` say otherwise."""
     kwargs = {"add_special_tokens": True, **(tokenization_kwargs or {})}
-
-    def encode(texts: list[str]) -> list[list[int]]:
-        return tokenizer(texts, **kwargs)["input_ids"]
-
-    return encode
+    return tokenizer(texts, **kwargs)["input_ids"]
 
 
-__all__ = ["ParsedPrompts", "parse_prompts", "text_encoder"]
+__all__ = ["ParsedPrompts", "encode_texts", "parse_prompts"]

@@ -9,7 +9,6 @@ worker-extension method that the caller names; the replica knows no transport.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 import os
@@ -40,13 +39,9 @@ from torchrl_vllm_ext.errors import (
     WeightSyncError,
 )
 from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats
+from torchrl_vllm_ext.protocol import load_class
 
 logger = logging.getLogger(__name__)
-
-
-def _load_class(path: str):
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
 
 
 def root_cause(error: BaseException) -> str:
@@ -137,7 +132,7 @@ class VLLMReplica:
         self._inflight: set[str] = set()
         self._end_version_from: dict[tuple[str, int], int] = {}
         self._engine_class = engine_class(spec.in_process)
-        self._extension = _load_class(spec.actor_extension)() if spec.actor_extension else None
+        self._extension = load_class(spec.actor_extension)() if spec.actor_extension else None
         self._shipped: Path | None = None  # adapters shipped to this node (stage_files)
         self.engine: Engine | None = None
 

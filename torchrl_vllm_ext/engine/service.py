@@ -14,6 +14,7 @@ run on the caller's thread.
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 import warnings
 from collections.abc import Coroutine, Sequence
@@ -34,7 +35,7 @@ from torchrl_vllm_ext.engine.loop import LoopThread
 from torchrl_vllm_ext.engine.lora_serving import LoraServing
 from torchrl_vllm_ext.engine.outputs import to_request_output
 from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView, WeightsProvider
-from torchrl_vllm_ext.engine.prompt_forms import parse_prompts, text_encoder
+from torchrl_vllm_ext.engine.prompt_forms import encode_texts, parse_prompts
 from torchrl_vllm_ext.engine.torchrl_engine import (
     actor_style,
     register_engine,
@@ -48,6 +49,7 @@ from torchrl_vllm_ext.errors import (
 )
 from torchrl_vllm_ext.hf import load_tokenizer
 from torchrl_vllm_ext.messages import ReplicaDeath, ReplicaInfo, ReplicaStats, RequestData
+from torchrl_vllm_ext.protocol import load_class
 
 T = TypeVar("T")
 
@@ -229,25 +231,23 @@ class VLLMService:
 
     def _llm_request(self, prompts, prompt_token_ids, tokenization_kwargs, lora, lora_request):
         """``vllm.LLM.generate``'s arguments -> (parsed prompts, adapter name)."""
-        parsed = parse_prompts(
-            _one_of(prompts, prompt_token_ids), self._encoder(tokenization_kwargs)
-        )
+        encode = functools.partial(self._encode, tokenization_kwargs=tokenization_kwargs)
+        parsed = parse_prompts(_one_of(prompts, prompt_token_ids), encode)
         return parsed, _lora_name(lora, lora_request)
 
     def _request_outputs(self, batch: RequestBatch, texts: list[str | None], params) -> list:
         # Log-probs in the form each request asked for (vLLM's default: a list of dicts).
-        flat = [_wants_flat(p) for p in params] if isinstance(params, list | tuple) else None
+        per_request = params if isinstance(params, list | tuple) else [params] * len(texts)
         outputs = []
-        for i, (data, text) in enumerate(zip(batch.unpack(), texts, strict=True)):
-            out = to_request_output(
-                data, f"{self.name}-{i}", flat[i] if flat else _wants_flat(params)
-            )
+        for i, (data, text, p) in enumerate(zip(batch.unpack(), texts, per_request, strict=True)):
+            out = to_request_output(data, f"{self.name}-{i}", _wants_flat(p))
             out.prompt = text
             outputs.append(out)
         return outputs
 
-    def _encoder(self, tokenization_kwargs):
-        return lambda texts: text_encoder(self.get_tokenizer(), tokenization_kwargs)(texts)
+    def _encode(self, texts: list[str], tokenization_kwargs=None) -> list[list[int]]:
+        # The tokenizer is loaded at the first text prompt, not for token prompts.
+        return encode_texts(self.get_tokenizer(), texts, tokenization_kwargs)
 
     def get_tokenizer(self):
         """The served model's tokenizer (``transformers.AutoTokenizer``, loaded once): what
@@ -268,7 +268,7 @@ class VLLMService:
     ) -> list[RequestData]:
         """Like :meth:`generate` (every prompt form) but returns plain :class:`RequestData`
         (numpy arrays)."""
-        parsed = parse_prompts(prompts, self._encoder(None))
+        parsed = parse_prompts(prompts, self._encode)
         return self.generate_request_batch(
             parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
         ).unpack()
@@ -277,7 +277,7 @@ class VLLMService:
         self, prompts, sampling_params=None, *, timeout=None, routing=None, lora=None
     ) -> list[RequestData]:
         """Async :meth:`generate_request_data`."""
-        parsed = parse_prompts(prompts, self._encoder(None))
+        parsed = parse_prompts(prompts, self._encode)
         batch = await self.agenerate_request_batch(
             parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
         )
@@ -563,11 +563,13 @@ class VLLMService:
 
     def _updates(self):
         if self._engine_updates is None:
-            # The one place the engine reaches into weight_sync, lazily: TorchRL's engine
-            # interface makes the service own a scheme.
-            from torchrl_vllm_ext.weight_sync.engine_updates import EngineUpdates
-
-            self._engine_updates = EngineUpdates(self)
+            # Named by path, as the replicas' extensions: the engine knows no transport.
+            if self.config.engine_updates_cls is None:
+                raise ConfigurationError(
+                    "this service was launched with engine_updates_cls=None: TorchRL's "
+                    "engine weight calls are off; push with a WeightSyncScheme instead."
+                )
+            self._engine_updates = load_class(self.config.engine_updates_cls)(self)
         return self._engine_updates
 
     def set_weights_provider(self, provider: WeightsProvider | None) -> None:

@@ -278,8 +278,8 @@ def _serve_gap(service, trainer, tol: float):
     return _verdict(gap, tol)
 
 
-def _perturb(model, seed: int) -> None:
-    """Seeded noise on every parameter (a stand-in for a training step)."""
+def perturb(model, seed: int) -> None:
+    """Seeded noise on every parameter (a stand-in for a training step; the tests use it too)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -294,7 +294,7 @@ def _push_gap(service, trainer, transport: str, seed: int, tol: float):
     from torchrl_vllm_ext.weight_sync.verify import model_logprobs, probe_ids
 
     service.run(service.pool.wait_ready())  # a replica a failed check restarted is back
-    _perturb(trainer, seed)
+    perturb(trainer, seed)
     with WeightSyncScheme(service, transport=transport, verify="always") as scheme:
         report = scheme.push(trainer, version=f"check-{transport}")
     ids = probe_ids(service.config.model)

@@ -14,6 +14,7 @@ register it in :func:`~torchrl_vllm_ext.weight_sync.transports.make_transport`.
 from __future__ import annotations
 
 import abc
+import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,6 +22,8 @@ import torch
 
 from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaFleet, ReplicaView
 from torchrl_vllm_ext.errors import WeightSyncError
+
+logger = logging.getLogger(__name__)
 
 Replicas = list[ReplicaView]
 """The replicas a push reaches (a transport drops those that died, in place)."""
@@ -43,6 +46,23 @@ def raise_errors(outcomes: Outcomes, what: str, version: str) -> None:
         raise WeightSyncError(
             f"{what} of version {version} failed on replica {rid}: {cause}"
         ) from cause
+
+
+def settle(refs: list, timeout: float, what: str) -> None:
+    """Wait (bounded) for replicas' answers to a release call and read each outcome: a
+    replica that died or shut down meanwhile holds nothing any more, and a ref whose
+    error is never read makes Ray log it as an "unhandled error" at exit (the service is
+    often closed right after the scheme). ``what`` names the call in the debug log."""
+    if not refs:
+        return
+    import ray
+
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as e:
+            logger.debug("a replica could not %s: %s", what, e)
 
 
 class Transport(abc.ABC):

@@ -16,7 +16,6 @@ naming it; the group is formed again on the next push. Every wait has a deadline
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 
@@ -35,6 +34,7 @@ from torchrl_vllm_ext.weight_sync.transports.base import (
     Transport,
     WorkerCall,
     raise_errors,
+    settle,
 )
 
 STAGED_POLL_S = 0.005
@@ -42,8 +42,6 @@ STAGED_POLL_S = 0.005
 SENDING_POLL_S = 0.25
 """Seconds between the same checks while the buckets are being sent (a heartbeat: a
 replica that stops answering them is found while the send still runs)."""
-
-logger = logging.getLogger(__name__)
 
 
 class BroadcastTransport(Transport):
@@ -238,16 +236,7 @@ class BroadcastTransport(Transport):
     @staticmethod
     def _close_group(group: BroadcastGroup, closing: list, timeout_s: float) -> None:
         group.close()
-        if not closing:
-            return
-        # The workers' answers, read so that a replica shut down meanwhile is not an
-        # "unhandled error" in Ray's log: its group went with its process.
-        done, _ = ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except Exception as e:
-                logger.debug("a worker's broadcast group close failed (%s)", e)
+        settle(closing, timeout_s, "close its broadcast group")
 
     def close(self) -> None:
         self._drop_group()

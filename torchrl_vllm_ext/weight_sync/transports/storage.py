@@ -29,6 +29,7 @@ from torchrl_vllm_ext.weight_sync.transports.base import (
     Transport,
     WorkerCall,
     raise_errors,
+    settle,
 )
 
 logger = logging.getLogger(__name__)
@@ -112,25 +113,9 @@ class StorageTransport(Transport):
                 )
             except Exception:  # Ray already shut down: the replicas are gone with it
                 logger.debug("could not ask replica %d to unmap %s", r.replica_id, self.root)
-        _settle(refs, RELEASE_WAIT_S)
+        settle(refs, RELEASE_WAIT_S, "unmap the slots")
         self.writer.close()
 
 
 RELEASE_WAIT_S = 10.0
 """How long :meth:`StorageTransport.close` waits for the replicas to unmap the slots."""
-
-
-def _settle(refs: list, timeout: float) -> None:
-    """Wait (bounded) for ``refs`` and read each outcome: a replica that died or shut down
-    meanwhile maps nothing, and a ref whose error is never read makes Ray log it as an
-    "unhandled error" at exit (the service is often closed right after the scheme)."""
-    if not refs:
-        return
-    import ray
-
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    for ref in done:
-        try:
-            ray.get(ref)
-        except Exception as e:
-            logger.debug("a replica could not unmap the slots: %s", e)
