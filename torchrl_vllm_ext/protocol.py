@@ -54,6 +54,16 @@ class WorkerMethods:
     """() -> whether a group was open."""
     RELEASE_STORAGE = "release_weight_storage"
     """(path: str) -> whether it was mapped; drops this worker's mappings of a storage root."""
+    STAGE_FROM_STORAGE = "stage_weights_from_storage"
+    """(path: str, version: str) -> "device" | "pinned"; GPU workers copy the published slot
+    to their staging buffers in a background thread (then ``load_staged_weights``)."""
+    DEVICE = "weight_sync_device"
+    """() -> the normalised UUID of the worker's GPU, or None (the transport plan)."""
+    STAGE_IPC = "stage_weight_ipc"
+    """(update_json: str) -> True; opens the trainer's buckets by CUDA IPC and checksums
+    them on the GPU in a background thread (then ``load_staged_weights``)."""
+    RECEIVE_IPC = "receive_weight_ipc"
+    """(update_json: str) -> loaded version; open, verify, load (restarted replicas)."""
 
 
 class ActorMethods:

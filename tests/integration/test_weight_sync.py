@@ -147,3 +147,25 @@ def test_tensor_parallel_replica_receives_full_tensors(tiny_model, ray_cluster, 
                 perturb(trainer, seed=len(transport))
                 scheme.push(trainer, version=f"tp2-{transport}")
                 assert_replicas_match(tp2, trainer, f"tp2-{transport}")
+
+
+def test_a_push_while_paused_leaves_the_replicas_paused_and_checks_them_at_resume(
+    service, trainer, original
+):
+    """update_weights resumes only what it paused: a push during ``service.pause()`` loads
+    every replica, which stays paused (kept requests do not run), and its value check,
+    which needs a serving replica, runs at ``resume()``."""
+    with WeightSyncScheme(service, transport="storage", verify="first") as scheme:
+        service.pause("keep")
+        try:
+            perturb(trainer, seed=7)
+            report = scheme.push(trainer, version="while-paused")
+            assert report.probe_deferred == sorted(service.replica_ids)
+            assert report.probe_gap == {} and scheme.verified_pushes == 0
+            assert all(s.paused for s in service.stats()), "the push resumed a paused replica"
+            assert set(service.weight_versions().values()) == {"while-paused"}
+        finally:
+            service.resume()
+        assert scheme.verified_pushes == 1, "resume() ran the deferred value check"
+        assert_replicas_match(service, trainer, "while-paused")
+        scheme.push(original, version="0")  # later tests expect the checkpoint's weights

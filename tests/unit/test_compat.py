@@ -14,3 +14,119 @@ def test_pause_modes_are_vllms():
 def test_sampling_param_fields_include_the_usual_ones():
     fields = _compat.sampling_param_fields()
     assert {"max_tokens", "temperature", "n", "seed", "logprobs"} <= set(fields)
+
+
+# ---------------------------------------------------------------------- vLLM 0.26 / 0.33
+# Stand-ins with the shapes of vLLM 0.26's and 0.33's AsyncLLM (the GPU engine): what
+# AsyncEngine calls must work on both, and never take pause_generation's fixed 20 ms sleep.
+import asyncio  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+
+from torchrl_vllm_ext.engine.async_engine import AsyncEngine  # noqa: E402
+
+
+class _Core:
+    def __init__(self, calls, pause_name):
+        self.calls = calls
+        setattr(self, pause_name, self._pause)
+
+    async def _pause(self, *, mode, clear_cache):
+        self.calls.append(("pause", mode, clear_cache))
+
+    async def resume_scheduler_async(self):
+        self.calls.append(("resume",))
+
+
+class _AsyncLLM026:
+    """vLLM 0.26: no weight version; the engine core's ``pause_scheduler_async``."""
+
+    pause_name = "pause_scheduler_async"
+
+    def __init__(self):
+        self.calls = []
+        self.engine_core = _Core(self.calls, self.pause_name)
+        self.renderer = SimpleNamespace(clear_mm_cache_async=self._clear)
+        self.vllm_config = SimpleNamespace(
+            model_config=SimpleNamespace(get_vocab_size=lambda: 100, max_model_len=64),
+            cache_config=SimpleNamespace(num_gpu_blocks=4, block_size=16),
+        )
+        self.tokenizer = None
+
+    async def _clear(self):
+        self.calls.append(("clear_mm",))
+
+    async def pause_generation(self, **kwargs):
+        raise AssertionError("pause_generation sleeps 20 ms: the engine core is called instead")
+
+    async def resume_generation(self):
+        await self.engine_core.resume_scheduler_async()
+
+
+class _AsyncLLM033(_AsyncLLM026):
+    """vLLM 0.33: the weight version in the engine; ``pause_generation_async``; requests
+    sent during an abort / wait pause are refused with RetryableRequestError."""
+
+    pause_name = "pause_generation_async"
+
+    def __init__(self):
+        super().__init__()
+        self.version = "default"
+        self.paused = False
+
+    async def update_weight_version(self, version):
+        self.version = version
+
+    async def get_weight_version(self):
+        return self.version
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        from vllm.exceptions import RetryableRequestError
+
+        if self.paused:
+            raise RetryableRequestError("paused")
+        yield f"out-{request_id}"
+
+
+def test_async_engine_on_vllm_026_keeps_the_weight_version_and_skips_the_pause_sleep():
+    llm = _AsyncLLM026()
+    engine = AsyncEngine(llm, {})
+    assert not _compat.keeps_weight_version(llm)
+
+    async def run():
+        await engine.set_weight_version("7")
+        assert await engine.get_weight_version() == "7"
+        await engine.pause("abort", clear_cache=True)
+        await engine.resume()
+
+    asyncio.run(run())
+    assert llm.calls == [("clear_mm",), ("pause", "abort", True), ("resume",)]
+
+
+def test_async_engine_on_vllm_033_labels_in_vllm_and_queues_requests_refused_while_paused():
+    llm = _AsyncLLM033()
+    engine = AsyncEngine(llm, {})
+    assert _compat.keeps_weight_version(llm)
+
+    async def run():
+        await engine.set_weight_version("8")
+        assert llm.version == "8" and await engine.get_weight_version() == "8"
+        await engine.pause("abort", clear_cache=False)
+        llm.paused = True
+        pending = asyncio.ensure_future(engine.generate([{}], [None], ["r1"]))
+        await asyncio.sleep(0.05)
+        assert not pending.done(), "a request refused during the pause waits for the resume"
+        llm.paused = False
+        await engine.resume()
+        return await asyncio.wait_for(pending, 5)
+
+    assert asyncio.run(run()) == ["out-r1"]
+    assert ("pause", "abort", False) in llm.calls and ("clear_mm",) not in llm.calls
+
+
+@pytest.mark.parametrize("name", ["pause_scheduler_async", "pause_generation_async"])
+def test_async_pause_calls_the_engine_cores_pause_of_each_version(name):
+    llm = _AsyncLLM033() if name == "pause_generation_async" else _AsyncLLM026()
+    asyncio.run(_compat.async_pause(llm, "keep", False))
+    assert llm.calls == [("pause", "keep", False)]

@@ -34,6 +34,10 @@ PARAMS = {
     WorkerMethods.RECEIVE_BROADCAST: ["header_json"],
     WorkerMethods.CLOSE_BROADCAST: [],
     WorkerMethods.RELEASE_STORAGE: ["path"],
+    WorkerMethods.STAGE_FROM_STORAGE: ["path", "version"],
+    WorkerMethods.DEVICE: [],
+    WorkerMethods.STAGE_IPC: ["update_json"],
+    WorkerMethods.RECEIVE_IPC: ["update_json"],
     ActorMethods.STAGE_STORAGE: ["root", "version"],
     ActorMethods.RELEASE_STORAGE: ["root"],
 }

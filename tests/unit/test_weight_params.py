@@ -85,3 +85,18 @@ def test_checksum_sees_any_change():
     t2 = t.clone()
     t2[500] += 1e-3
     assert checksum(t2) != c and checksum(t.clone()) == c
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 4096 + 5])
+def test_device_checksum_equals_the_numpy_checksum(nbytes):
+    """The GPU path sums buckets where they live; the value must equal the host one (the
+    storage slots' and the trainer's), including sums that wrap past 2**64."""
+    from torchrl_vllm_ext.weight_sync.params import checksum, device_checksum
+
+    g = torch.Generator().manual_seed(nbytes)
+    t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    assert device_checksum(t) == checksum(t)
+    full = torch.full((1024,), 255, dtype=torch.uint8)  # every word 2**64 - 1: wraps
+    assert device_checksum(full) == checksum(full)
+    bf16 = torch.randn(3, 5, generator=g).to(torch.bfloat16)
+    assert device_checksum(bf16) == checksum(bf16)

@@ -16,7 +16,10 @@ from torchrl_vllm_ext._compat import (
     EngineLimits,
     PauseMode,
     SchedulerLoad,
+    async_pause,
     engine_limits,
+    keeps_weight_version,
+    retryable_errors,
     tokens_so_far,
     vllm_engine_api,
 )
@@ -47,6 +50,11 @@ class AsyncEngine(Engine):
         self._llm = llm
         self._sink = sink
         self._limits = engine_limits(llm.vllm_config, llm.tokenizer)
+        self._version = "0"  # the label, where vLLM keeps none (0.26)
+        self._labels = keeps_weight_version(llm)
+        self._resumed = asyncio.Event()  # requests vLLM refused during a pause wait on it
+        self._resumed.set()
+        self._retryable = retryable_errors()
 
     @classmethod
     async def start(cls, engine_args) -> AsyncEngine:
@@ -81,12 +89,22 @@ class AsyncEngine(Engine):
         )
 
     async def _one(self, engine_input: dict, params, request_id: str, lora_request=None):
-        final = None
-        async for out in self._llm.generate(
-            engine_input, params, request_id, lora_request=lora_request
-        ):
-            final = out
-        return final
+        while True:
+            final = None
+            try:
+                async for out in self._llm.generate(
+                    engine_input, params, request_id, lora_request=lora_request
+                ):
+                    final = out
+                return final
+            except self._retryable:
+                # vLLM 0.33 refuses requests during a pause (earlier versions queue them):
+                # queue it here, as the other engines do.
+                if final is not None:
+                    raise
+                if self._resumed.is_set():  # a pause that is not ours (a sleep): poll
+                    await asyncio.sleep(0.01)
+                await self._resumed.wait()
 
     async def add_lora(self, lora_request) -> bool:
         return await self._llm.add_lora(lora_request)
@@ -101,10 +119,12 @@ class AsyncEngine(Engine):
         await self._llm.abort(list(request_ids))
 
     async def _pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        await self._llm.pause_generation(mode=mode, clear_cache=clear_cache)
+        self._resumed.clear()
+        await async_pause(self._llm, mode, clear_cache)
 
     async def resume(self) -> None:
         await self._llm.resume_generation()
+        self._resumed.set()
 
     async def sleep(self, level: int, mode: PauseMode) -> None:
         await self._llm.sleep(level, mode)
@@ -135,10 +155,12 @@ class AsyncEngine(Engine):
         return await self._llm.reset_prefix_cache()
 
     async def set_weight_version(self, version: str) -> None:
-        await self._llm.update_weight_version(version)
+        self._version = version
+        if self._labels:
+            await self._llm.update_weight_version(version)
 
     async def get_weight_version(self) -> str:
-        return await self._llm.get_weight_version()
+        return await self._llm.get_weight_version() if self._labels else self._version
 
     async def check_health(self) -> None:
         await self._llm.check_health()

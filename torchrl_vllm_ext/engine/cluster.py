@@ -178,6 +178,37 @@ def plan_resources(config) -> ReplicaResources:
     )
 
 
+def shares_gpus(res: ReplicaResources | None) -> bool:
+    """Whether replicas may share a GPU (a fractional ``gpus_per_replica``).
+
+    Examples:
+        >>> shares_gpus(ReplicaResources(use_gpu=True, num_workers=1, cpus=1, gpus=0.5))
+        True
+        >>> shares_gpus(ReplicaResources(use_gpu=True, num_workers=1, cpus=1, gpus=1.0))
+        False
+    """
+    return res is not None and res.use_gpu and res.gpus < 1
+
+
+def start_lock_key(devices: tuple[str, str]) -> tuple[str, str]:
+    """The start lock of a replica whose actor reported ``(node, CUDA_VISIBLE_DEVICES)``.
+
+    vLLM sizes its KV cache from a profile of the whole GPU's free memory, so two engines
+    starting on one GPU count each other's allocations as their own (vLLM #55827): starts
+    that share a lock run one after another. Ray gives an actor the same physical device
+    numbers for as long as the node lives; an actor that sees no device (a TP replica,
+    whose workers hold the GPUs) shares one lock per node.
+
+    Examples:
+        >>> start_lock_key(("10.0.0.2", "3"))
+        ('10.0.0.2', '3')
+        >>> start_lock_key(("10.0.0.2", ""))
+        ('10.0.0.2', '*')
+    """
+    node, visible = devices
+    return node, ",".join(sorted(d.strip() for d in visible.split(",") if d.strip())) or "*"
+
+
 def live_nodes() -> list[placement.Node]:
     """The cluster's live nodes with their free resources, in Ray's order."""
     # A DeveloperAPI: Ray's public API has free resources for the whole cluster only.

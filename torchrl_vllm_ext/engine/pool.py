@@ -40,6 +40,7 @@ from torchrl_vllm_ext.engine import cluster, placement
 from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS, actor_cause
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.replica import ReplicaSpec, VLLMReplica
+from torchrl_vllm_ext.engine.serving import ServingState, restart_steps
 from torchrl_vllm_ext.errors import (
     NoHealthyReplicaError,
     ReplicaDeadError,
@@ -147,6 +148,7 @@ class ReplicaFleet(Protocol):
 
 
 BringUpStep = Callable[[ReplicaView], Awaitable[Any]]
+ServingHook = Callable[[tuple[ReplicaView, ...]], Awaitable[Any]]
 
 
 @dataclass
@@ -194,6 +196,10 @@ class ReplicaPool:
         self._deaths: deque[ReplicaDeath] = deque(maxlen=1000)
         self._death_listeners: list[Callable[[int], None]] = []
         self._bring_up_steps: list[BringUpStep] = []
+        self._serving_hooks: list[ServingHook] = []
+        # Replicas sharing a GPU start one at a time on it (vLLM's start-up profile
+        # measures the whole GPU's memory): one lock per (node, devices).
+        self._start_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._tasks: set[asyncio.Task] = set()
         self._restarting: set[int] = set()  # ids between their death and their restart
         self._closed = False
@@ -201,9 +207,9 @@ class ReplicaPool:
         """The weights every replica serves, and restarted replicas are brought to."""
         self.provider: WeightsProvider | None = None
         """Brings started replicas to the live weights (the scheme that pushed last)."""
-        self.paused: tuple[str, bool] | None = None
-        """``(mode, clear_cache)`` while the service is paused: a restarted replica is
-        paused the same way before it counts as ready."""
+        self.serving = ServingState()
+        """The service's pause and sleep: a restarted replica is brought to the same state
+        before it counts as ready (:func:`~torchrl_vllm_ext.engine.serving.restart_steps`)."""
 
     # ------------------------------------------------------------------ snapshot (any thread)
     def ready(self) -> tuple[ReplicaView, ...]:
@@ -257,6 +263,19 @@ class ReplicaPool:
         """Await ``step(replica)`` on every started replica before it takes traffic (after
         its engine is up, before the weights provider)."""
         self._bring_up_steps.append(step)
+
+    def when_serving(self, hook: ServingHook) -> Callable[[], None]:
+        """Await ``hook(ready replicas)`` each time the service serves again after a pause
+        or a sleep (a push's deferred value check); returns the function that removes it."""
+        self._serving_hooks.append(hook)
+        return lambda: self._serving_hooks.remove(hook) if hook in self._serving_hooks else None
+
+    async def serving_again(self) -> None:
+        """Run the :meth:`when_serving` hooks, if the service now serves (the service calls
+        it after resume and wake-up)."""
+        if self.serving.serving:
+            for hook in list(self._serving_hooks):
+                await hook(self._ready)
 
     # ------------------------------------------------------------------ start
     async def open(self) -> None:
@@ -322,7 +341,8 @@ class ReplicaPool:
             .remote(self._spec(rid))
         )
         try:
-            rec.info = await asyncio.wait_for(rec.actor.start.remote(), cfg.startup_timeout)
+            async with self._start_lock(rec.actor, name):
+                rec.info = await asyncio.wait_for(rec.actor.start.remote(), cfg.startup_timeout)
         except ray.exceptions.RayTaskError as e:
             cause = actor_cause(e)
             if isinstance(cause, ReplicaStartupError):
@@ -334,14 +354,38 @@ class ReplicaPool:
         view = rec.view()
         for step in self._bring_up_steps:  # adapters, before it takes traffic
             await step(view)
-        # A started replica serves the checkpoint: bring it to the live weights first
-        # (it was created with the live label).
-        provider = self.provider
-        if provider is not None and provider.version is not None:
-            await provider.bring_up(view)
-        if self.paused is not None:
-            await rec.actor.pause.remote(*self.paused)
+        await self._match_service(view)
         self._set_state(rec, ReplicaState.READY)
+
+    async def _match_service(self, view: ReplicaView) -> None:
+        """Bring a started replica (it serves the checkpoint, under the live label) to the
+        live weights and to the service's pause and sleep."""
+        state, actor = self.serving, view.handle
+        for step in restart_steps(state):
+            if step == "bring_up":
+                provider = self.provider
+                if provider is not None and provider.version is not None:
+                    await provider.bring_up(view)
+            elif step == "sleep":
+                await actor.sleep.remote(state.sleep_level, "abort")
+            elif step == "wake_weights":
+                await actor.wake_up.remote(["weights"])
+            else:  # "pause"
+                await actor.pause.remote(*state.paused)
+
+    @contextlib.asynccontextmanager
+    async def _start_lock(self, actor, name: str) -> AsyncIterator[None]:
+        """Held while a replica's engine starts: the lock of its GPU(s) when replicas share
+        GPUs (:func:`~torchrl_vllm_ext.engine.cluster.start_lock_key`), else none."""
+        if not cluster.shares_gpus(self._res):
+            yield
+            return
+        key = cluster.start_lock_key(await actor.visible_devices.remote())
+        lock = self._start_locks.setdefault(key, asyncio.Lock())
+        if lock.locked():
+            logger.info("replica %s waits: another replica starts on GPU %s", name, key)
+        async with lock:
+            yield
 
     def set_provider(self, provider: WeightsProvider | None) -> None:
         """Make ``provider`` bring started replicas to the live weights (None: nobody)."""

@@ -30,6 +30,7 @@ from torchrl_vllm_ext.batches import PromptBatch, RequestBatch
 from torchrl_vllm_ext.engine.adapters import Adapter, stage_files
 from torchrl_vllm_ext.engine.base import Engine, check_pause_mode, engine_class
 from torchrl_vllm_ext.engine.outputs import pack_outputs, prompt_logprobs_of
+from torchrl_vllm_ext.engine.serving import ServingState, update_steps
 from torchrl_vllm_ext.engine.validation import make_sampling_params, with_seed
 from torchrl_vllm_ext.errors import (
     GenerationTimeoutError,
@@ -126,7 +127,9 @@ class VLLMReplica:
         self._cache_epoch = 0
         self._probes = 0  # probe requests sent (their ids and cache salts stay unique)
         self._outstanding = 0
-        self._paused = False
+        # The service's pause and vLLM's sleep: a push pauses and resumes only a replica
+        # that serves, and is refused while the weights sleep (engine/serving.py).
+        self._state = ServingState()
         # In-flight request ids, and for those a keep-mode sync spanned: the tokens each
         # sample had when the newest weights came in (see pack_outputs).
         self._inflight: set[str] = set()
@@ -176,6 +179,13 @@ class VLLMReplica:
         )
         logger.info("replica %d ready: %s", self.replica_id, info)
         return info
+
+    def visible_devices(self) -> tuple[str, str]:
+        """``(node, CUDA_VISIBLE_DEVICES)`` of this actor, before its engine starts (replicas
+        sharing a GPU start one at a time: :func:`~.cluster.start_lock_key`)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
     def child_pids(self) -> list[int]:
         """Processes the engine runs in (for tests that check nothing is left behind)."""
@@ -293,7 +303,7 @@ class VLLMReplica:
             kv_cache_usage=load.kv_cache_usage,
             outstanding=self._outstanding,
             weight_version=self._version,
-            paused=self._paused,
+            paused=not self._state.serving,
         )
 
     async def check_health(self) -> bool:
@@ -308,21 +318,39 @@ class VLLMReplica:
     async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause generation with vLLM's modes: ``abort``, ``wait`` (drain) or ``keep`` (freeze)."""
         await self._require_engine().pause(mode, clear_cache)
-        self._paused = True
+        self._state = self._state.paused_as(mode, clear_cache)
 
     async def resume(self) -> None:
-        await self._require_engine().resume()
-        self._paused = False
+        """Resume generation after :meth:`pause` (a sleeping replica resumes once awake)."""
+        self._state = self._state.resumed()
+        if self._state.serving:
+            await self._require_engine().resume()
 
     async def sleep(self, level: int, mode: str) -> None:
         """Free the accelerator's memory (vLLM sleep mode; requests wait until woken)."""
+        state = self._state.slept(level)
         await self._require_engine().sleep(level, check_pause_mode(mode))
+        self._state = state
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._require_engine().wake_up(tags)
+        """Restore what :meth:`sleep` freed (all, or ``tags``); scheduling resumes once
+        everything is awake, unless the service paused this replica."""
+        state = self._state.woke(tags)
+        engine = self._require_engine()
+        await engine.wake_up(None if tags is None else list(tags))
+        self._state = state
+        if not state.asleep and state.paused is not None:
+            # vLLM resumes scheduling on a full wake-up; the service's pause still holds.
+            await engine.pause(*state.paused)
 
     async def is_sleeping(self) -> bool:
-        return await self._require_engine().is_sleeping()
+        """Whether any part of the replica sleeps (vLLM's own answer is also True when the
+        scheduler is merely paused)."""
+        return bool(self._state.asleep)
+
+    async def serving_state(self) -> ServingState:
+        """The replica's pause and sleep."""
+        return self._state
 
     async def get_weight_version(self) -> str:
         return await self._require_engine().get_weight_version()
@@ -383,10 +411,20 @@ class VLLMReplica:
         4) set the weight version and drop the prefix cache, 5) resume. Generation
         resumes even when a step fails; transports verify before they load, so a
         failed update leaves the previous weights serving.
+
+        A replica the service paused, or whose KV cache sleeps, is loaded as it is and
+        stays so (no pause, no resume; ``probe_now`` False: the value check waits until
+        it serves); one whose weights sleep refuses the update
+        (:func:`~torchrl_vllm_ext.engine.serving.update_steps`).
         """
         engine = self._require_engine()
+        steps = update_steps(self._state, self.replica_id, version)
+        # An abort / wait pause with clear_cache empties the prefix cache, and nothing
+        # runs until the resume: no second reset after the load.
+        cleared = steps.pause and pause_mode != "keep"
         t0 = time.perf_counter()
-        await self.pause(pause_mode, clear_cache=pause_mode != "keep")  # 1) pause
+        if steps.pause:  # 1) pause
+            await engine.pause(pause_mode, clear_cache=cleared)
         t1 = time.perf_counter()
         try:
             reported = await self.collective_rpc(method, tuple(args))  # 2) load
@@ -400,11 +438,20 @@ class VLLMReplica:
                 progress = await engine.tokens_so_far(list(self._inflight))
                 self._end_version_from.update(progress)
             await self.set_weight_version(version)  # 4) version + cache
-            await self.reset_prefix_cache()
+            if cleared:
+                self._cache_epoch += 1
+            else:
+                await self.reset_prefix_cache()
         finally:
-            await self.resume()  # 5) resume
+            if steps.pause:
+                await engine.resume()  # 5) resume
         t3 = time.perf_counter()
-        return {"pause_s": t3 - t0, "pausing_s": t1 - t0, "load_s": t2 - t1}
+        return {
+            "pause_s": t3 - t0 if steps.pause else 0.0,
+            "pausing_s": t1 - t0,
+            "load_s": t2 - t1,
+            "probe_now": steps.probe_now,
+        }
 
     async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-probs the served weights give ``token_ids[1:]``: one scoring request beside

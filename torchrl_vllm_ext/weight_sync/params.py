@@ -56,6 +56,29 @@ def checksum(t: torch.Tensor) -> int:
     return (total + raw.size) % (1 << 64)
 
 
+def device_checksum(t: torch.Tensor) -> int:
+    """:func:`checksum`, computed where ``t`` lives (a GPU bucket is summed on its GPU: one
+    8-byte answer crosses to the host, not the bucket).
+
+    The words are summed as int64: two's-complement sums wrap like uint64 ones, so the
+    result mod 2**64 is the same.
+
+    Examples:
+        >>> t = torch.arange(11, dtype=torch.uint8)
+        >>> device_checksum(t) == checksum(t)
+        True
+    """
+    raw = t.detach().contiguous().view(-1).view(torch.uint8)
+    n = raw.numel()
+    whole = n - n % 8
+    total = int(raw[:whole].view(torch.int64).sum().item()) if whole else 0
+    if n % 8:
+        tail = torch.zeros(8, dtype=torch.uint8, device=raw.device)
+        tail[: n % 8] = raw[whole:]
+        total += int(tail.view(torch.int64).item())
+    return (total + n) % (1 << 64)
+
+
 def expected_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
     """The parameters a checkpoint holds (names, dtypes, shapes), read from safetensors headers."""
     model_dir = Path(model_dir)

@@ -59,7 +59,7 @@ from torchrl_vllm_ext.weight_sync.versions import collector_next_version
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "broadcast", "storage")
+TRANSPORTS = ("auto", "broadcast", "storage", "ipc")
 ROLLOUTS = ("parallel", "rolling")
 VERIFY = ("first", "always", "never")
 
@@ -71,7 +71,8 @@ class SyncReport:
     version: str
     """The version now served by every replica."""
     transport: str
-    """``storage`` or ``broadcast``."""
+    """``storage``, ``broadcast``, ``ipc``, or the routes of a planned push joined
+    (``ipc+nccl``)."""
     nbytes: int
     """Bytes of weights pushed."""
     seconds: float
@@ -87,6 +88,12 @@ class SyncReport:
     probe, after its pause)."""
     probe_gap: dict[int, float] = field(default_factory=dict)
     """Per replica: mean |replica - trainer| log-prob over the probe (empty: not verified)."""
+    staged_in: dict[int, str] = field(default_factory=dict)
+    """GPU replicas: where each staged the version before its pause (``device``, or
+    ``pinned`` host memory when its GPU lacked room)."""
+    probe_deferred: list[int] = field(default_factory=list)
+    """Replicas loaded while paused or with their KV cache asleep: their value check runs
+    when the service serves again (``resume`` / ``wake_up``), which raises if it fails."""
 
     @property
     def gb_per_s(self) -> float:
@@ -99,8 +106,9 @@ def choose_transport(service, requested: str, shared_dir) -> tuple[str, str]:
         raise ConfigurationError(f"transport={requested!r} is not one of {TRANSPORTS}.")
     if requested != "auto":
         return requested, "requested explicitly"
-    if torch.cuda.is_available() and service.uses_gpu:
-        return "broadcast", "the trainer and every replica have CUDA: NCCL broadcast"
+    if service.uses_gpu:
+        # Where the trainer's tensors are is known at the push: planned then (plan.py).
+        return "auto", "planned per replica at each push, by GPU UUID"
     if shared_dir is not None:
         return "storage", f"a shared directory was given ({shared_dir})"
     here = ray.util.get_node_ip_address()
@@ -186,7 +194,7 @@ class WeightSyncScheme:
             deadline = Deadline(fixed_s=timeout, min_bytes_per_s=deadline.min_bytes_per_s)
         self.deadline = deadline
         self.service = service
-        name, self.reason = choose_transport(service, transport, storage_dir)
+        name, self._reason = choose_transport(service, transport, storage_dir)
         self.transport_impl = make_transport(
             name,
             service.pool,
@@ -206,6 +214,10 @@ class WeightSyncScheme:
         self.expected = expected_specs(service.config.model)
         self.names = CheckpointNames(service.config.model, self.expected)
         self.verified_pushes = 0
+        # A verified push's check of the replicas that could not run the probe yet:
+        # (version, trainer's log-probs, replica ids), run when the service serves again.
+        self._deferred: tuple[str, list[float], set[int]] | None = None
+        self._unhook = service.pool.when_serving(self._check_deferred)
         self.verify_tol = verify_tol or default_tolerance(
             str(service.config.engine_kwargs.get("dtype", "auto"))
         )
@@ -225,8 +237,14 @@ class WeightSyncScheme:
 
     @property
     def transport(self) -> str:
-        """The transport's name: ``storage`` or ``broadcast``."""
+        """The transport's name: ``storage``, ``broadcast``, ``ipc`` or, planned on GPUs,
+        the last push's routes (``ipc+nccl``; ``auto`` before the first push)."""
         return self.transport_impl.name
+
+    @property
+    def reason(self) -> str:
+        """Why this transport: for a planned one, the last push's route of every replica."""
+        return getattr(self.transport_impl, "reason", None) or self._reason
 
     @property
     def storage_dir(self) -> Path | None:
@@ -269,6 +287,9 @@ class WeightSyncScheme:
 
     async def _push(self, weights, version: str) -> SyncReport:
         transport = self.transport_impl
+        if self._deferred is not None:  # this push's own check covers those replicas
+            logger.info("version %s: its deferred value check is superseded", self._deferred[0])
+            self._deferred = None
         start = time.perf_counter()
         source = await asyncio.to_thread(full_push_source, weights)
 
@@ -308,18 +329,30 @@ class WeightSyncScheme:
             raise self._load_error(loads, version, loaded=[])
         await transport.commit(version)
         self.version = version
-        if expected is not None:
-            self.verified_pushes += 1
-            if self.verify == "first":
-                self._reference_model = None  # not needed again: free its copy of the weights
+        if expected is not None and self._deferred is None:
+            self._verified()
         self.service.set_weights_provider(self)
         if loads.errors:
             raise self._load_error(loads, version, loaded=sorted(loads.results))
         pauses = {rid: t["pause_s"] for rid, t in loads.results.items()}
         gaps = {rid: t["probe_gap"] for rid, t in loads.results.items() if "probe_gap" in t}
+        deferred = sorted(self._deferred[2]) if self._deferred else []
         return SyncReport(
-            version, transport.name, nbytes, time.perf_counter() - start, pauses, phases, gaps
+            version,
+            transport.name,
+            nbytes,
+            time.perf_counter() - start,
+            pauses,
+            phases,
+            gaps,
+            dict(transport.staged_in),
+            deferred,
         )
+
+    def _verified(self) -> None:
+        self.verified_pushes += 1
+        if self.verify == "first":
+            self._reference_model = None  # not needed again: free its copy of the weights
 
     def _checkpoint_named(self, source: PushSource) -> dict[str, torch.Tensor]:
         """The pushed tensors under the checkpoint's names (transformers' fused names mapped)."""
@@ -366,17 +399,34 @@ class WeightSyncScheme:
 
     async def _verify(self, loaded: Outcomes, expected, version: str, phases: dict) -> None:
         """Step 4: every loaded replica scores the probe; a mismatch moves it to the errors
-        and restarts it (it serves weights nobody pushed)."""
+        and restarts it (it serves weights nobody pushed). A replica paused or with its
+        KV cache asleep cannot run the probe now: its check is deferred
+        (:meth:`_check_deferred`)."""
         if expected is None or not loaded.results:
             return
+        later = {rid for rid, r in loaded.results.items() if not r.get("probe_now", True)}
+        if later:
+            # One push's groups (rolling: one replica each) add to the same check.
+            earlier = self._deferred[2] if self._deferred and self._deferred[0] == version else set()
+            self._deferred = (version, expected, later | earlier)
+            logger.info(
+                "version %s: value check of replica(s) %s deferred until they serve "
+                "(paused or asleep)",
+                version,
+                sorted(later),
+            )
         t0 = time.perf_counter()
         pool = self.service.pool
-        views = [v for v in pool.ready() if v.replica_id in loaded.results]
+        views = [
+            v for v in pool.ready() if v.replica_id in loaded.results and v.replica_id not in later
+        ]
         probes = await pool.call_all("probe_logprobs", self._probe, replicas=views)
         loaded.dead.update(probes.dead)
         for rid, cause in probes.errors.items():
             loaded.errors[rid] = cause
         for rid in list(loaded.results):
+            if rid in later:
+                continue
             if rid not in probes.results:  # died or failed since its load: not verified
                 del loaded.results[rid]
                 if rid not in probes.errors and rid not in probes.dead:
@@ -394,6 +444,28 @@ class WeightSyncScheme:
                 pool.discard(next(v for v in views if v.replica_id == rid), error, "verification")
         phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t0
 
+    async def _check_deferred(self, ready) -> None:
+        """The value check a push deferred, now that the service serves again (the pool
+        calls it after ``resume`` / ``wake_up``): raises :class:`WeightSyncError` naming
+        a replica that fails it (restarted at the live version)."""
+        async with self._lock:
+            if self._deferred is None:
+                return
+            version, expected, rids = self._deferred
+            self._deferred = None
+            if version != self.version:  # a later push superseded it
+                return
+            serving = {v.replica_id for v in ready} & rids
+            checked = Outcomes(results={rid: {} for rid in sorted(serving)})
+            await self._verify(checked, expected, version, {})
+            if checked.errors:
+                rid, error = next(iter(checked.errors.items()))
+                raise WeightSyncError(
+                    f"deferred value check of version {version} failed on replica {rid}: "
+                    f"{error}; it is restarted at version {version}."
+                ) from error
+            self._verified()
+
     async def _apply(
         self,
         replicas: Replicas,
@@ -406,15 +478,18 @@ class WeightSyncScheme:
         # "wait" drains running requests first: no bound on that part of the pause.
         deadline = None if self.pause_mode == "wait" else self.deadline.for_bytes(nbytes)
 
+        # One call for every replica, or (a planned push) one per replica.
+        calls = call if isinstance(call, dict) else {r.replica_id: call for r in replicas}
+
+        def update(view: ReplicaView):
+            mine = calls[view.replica_id]
+            return view.handle.update_weights.remote(
+                mine.method, mine.args, version, self.pause_mode
+            )
+
         async def load(group: Replicas) -> Outcomes:
-            loaded = await self.service.pool.call_all(
-                "update_weights",
-                call.method,
-                call.args,
-                version,
-                self.pause_mode,
-                replicas=group,
-                deadline=deadline,
+            loaded = await self.service.pool.call_each(
+                update, group, "update_weights", deadline=deadline
             )
             await self._verify(loaded, expected, version, phases if phases is not None else {})
             return loaded
@@ -534,6 +609,7 @@ class WeightSyncScheme:
 
     def close(self) -> None:
         """Release the transport and stop bringing restarted replicas up to date."""
+        self._unhook()
         if self.service.weights_provider is self:
             logger.info(
                 "closing the weight-sync scheme whose version %s is live: a replica restarted "

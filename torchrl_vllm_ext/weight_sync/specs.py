@@ -66,6 +66,40 @@ class SlotManifest:
     """Every tensor of the slot, with its checksum."""
 
 
+@dataclass(frozen=True)
+class CudaIpcHandle:
+    """A CUDA allocation shared with another process on the same GPU: the fields of torch's
+    ``reduce_tensor`` for a 1-D uint8 tensor, as plain data (bytes as base64), and the
+    GPU by UUID (each process numbers its devices its own way)."""
+
+    gpu: str
+    """Normalised UUID of the GPU holding the bytes (:func:`..plan.normalise_uuid`)."""
+    numel: int
+    """Bytes of the shared tensor."""
+    offset: int
+    """The tensor's offset in its storage (elements = bytes)."""
+    storage_cls: str
+    """torch storage class, by name (only torch's own are rebuilt)."""
+    storage_handle: str
+    """cudaIpcMemHandle of the storage's allocation, base64."""
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: str
+    """Shared-memory ref counter that keeps the sender's allocation alive, base64."""
+    ref_counter_offset: int
+    event_handle: str
+    """cudaIpcEventHandle the receiver waits on before reading, base64 ('' : none)."""
+    event_sync_required: bool
+
+
+@dataclass(frozen=True)
+class IpcUpdate:
+    """One CUDA IPC update: the packed buckets' layout and a handle per bucket."""
+
+    header: UpdateHeader
+    handles: tuple[CudaIpcHandle, ...]
+
+
 def to_json(spec) -> str:
     """The JSON text of a spec.
 
@@ -91,6 +125,8 @@ def from_json(text: str | bytes, cls: type[T]) -> T:
 
 __all__ = [
     "BucketSpec",
+    "CudaIpcHandle",
+    "IpcUpdate",
     "SlotManifest",
     "TensorSpec",
     "UpdateHeader",

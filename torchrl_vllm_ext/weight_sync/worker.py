@@ -10,6 +10,7 @@ which maps Hugging Face names onto vLLM's fused and sharded parameters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -21,10 +22,12 @@ from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import TEST_SKIP_LOAD_ENV
 from torchrl_vllm_ext.weight_sync import cpu_layout
 from torchrl_vllm_ext.weight_sync.collective import make_process_group
+from torchrl_vllm_ext.weight_sync.ipc import device_uuid, open_bucket
 from torchrl_vllm_ext.weight_sync.packing import unpack
-from torchrl_vllm_ext.weight_sync.params import checksum
+from torchrl_vllm_ext.weight_sync.params import device_checksum
 from torchrl_vllm_ext.weight_sync.slots import SlotReader
-from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json
+from torchrl_vllm_ext.weight_sync.specs import IpcUpdate, UpdateHeader, from_json
+from torchrl_vllm_ext.weight_sync.staging import staging_place
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,41 @@ class WeightSyncWorkerExtension:
         manifest, tensors = self._tvllm_reader(path).read(version, verify=not verified)
         self._tvllm_load(tensors.items(), manifest.version)
         return manifest.version
+
+    def stage_weights_from_storage(self, path: str, version: str) -> str:
+        """GPU workers: copy the published slot of ``path`` (checksummed by the replica
+        actor) to this worker's GPU, or to pinned host memory when the GPU lacks room, in a
+        background thread while the engine keeps generating; ``load_staged_weights``
+        then copies it into the parameters in the pause. Returns where it stages."""
+        manifest, tensors = self._tvllm_reader(path).read(version, verify=False)
+        device = torch.device("cuda", torch.cuda.current_device())
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        held = self.__dict__.get("_tvllm_stage_buffers", {})
+        held_bytes = sum(b.numel() * b.element_size() for b in held.values())
+        free, total = torch.cuda.mem_get_info(device)
+        place = staging_place(nbytes, free, total, held_bytes)
+        self._tvllm_stage(manifest.version, lambda: self._tvllm_copy_in(tensors, device, place))
+        return place
+
+    def _tvllm_copy_in(self, tensors, device, place: str) -> list[tuple[str, torch.Tensor]]:
+        """Copy ``tensors`` into this worker's staging buffers (kept from push to push: the
+        memory is taken once), on a side stream so the engine's own work is not ordered
+        behind it."""
+        buffers = self.__dict__.setdefault("_tvllm_stage_buffers", {})
+        stream = torch.cuda.Stream(device) if place == "device" else None
+        out = []
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for name, src in tensors.items():
+                buf = buffers.get(name)
+                on = device if place == "device" else torch.device("cpu")
+                if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.device != on:
+                    buf = torch.empty(src.shape, dtype=src.dtype, device=on, pin_memory=place == "pinned")
+                    buffers[name] = buf
+                buf.copy_(src)
+                out.append((name, buf))
+        if stream is not None:
+            stream.synchronize()
+        return out
 
     def release_weight_storage(self, path: str) -> bool:
         """Drop this worker's mappings of ``path`` (its scheme closed: the memory of the
@@ -163,7 +201,7 @@ class WeightSyncWorkerExtension:
                 raise error from e
             received.append((bucket, buf))
         for i, (bucket, buf) in enumerate(received):
-            got = checksum(buf.cpu())
+            got = device_checksum(buf)  # on the GPU for NCCL: no copy to the host
             if got != bucket.checksum:
                 raise WeightSyncError(
                     f"bucket {i} of version {header.version} arrived corrupted (checksum {got} != "
@@ -176,6 +214,40 @@ class WeightSyncWorkerExtension:
         group = getattr(self, "_tvllm_group", None)
         self._tvllm_group = None
         return group is not None
+
+    # ------------------------------------------------------------------ CUDA IPC
+    def weight_sync_device(self) -> str | None:
+        """The normalised UUID of this worker's GPU (None without CUDA): the transport plan
+        compares devices by UUID, since Ray renumbers the GPUs each process sees."""
+        if not torch.cuda.is_available():
+            return None
+        return device_uuid(torch.cuda.current_device())
+
+    def stage_weight_ipc(self, update_json: str) -> bool:
+        """Open the trainer's buckets on this GPU (CUDA IPC, no copy) and checksum them on
+        the GPU, in a background thread; the pause then copies them into the parameters."""
+        update = from_json(update_json, IpcUpdate)
+        return self._tvllm_stage(update.header.version, lambda: self._tvllm_open_ipc(update))
+
+    def receive_weight_ipc(self, update_json: str) -> str:
+        """Open, verify and load one CUDA IPC update (a restarted replica); its version."""
+        update = from_json(update_json, IpcUpdate)
+        self._tvllm_load(self._tvllm_open_ipc(update), update.header.version)
+        return update.header.version
+
+    def _tvllm_open_ipc(self, update: IpcUpdate) -> list[tuple[str, torch.Tensor]]:
+        out = []
+        for i, (bucket, handle) in enumerate(zip(update.header.buckets, update.handles, strict=True)):
+            buf = open_bucket(handle)
+            got = device_checksum(buf)
+            if got != bucket.checksum:
+                raise WeightSyncError(
+                    f"bucket {i} of version {update.header.version} read through CUDA IPC does "
+                    f"not match the trainer's (checksum {got} != {bucket.checksum}); nothing "
+                    "was loaded."
+                )
+            out.extend(unpack(bucket, buf))
+        return out
 
     # ------------------------------------------------------------------ shared
     def _tvllm_load(self, named_tensors, version: str) -> None:

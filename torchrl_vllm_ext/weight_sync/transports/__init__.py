@@ -6,7 +6,8 @@ __all__ = ["Replicas", "Transport", "WorkerCall", "make_transport"]
 
 
 def make_transport(name: str, fleet, **options) -> Transport:
-    """The transport registered as ``name`` (``storage`` or ``broadcast``)."""
+    """The transport registered as ``name``: ``storage``, ``broadcast``, ``ipc``, or ``auto``
+    (planned per replica by device: GPU replicas)."""
     if name == "storage":
         from torchrl_vllm_ext.weight_sync.transports.storage import StorageTransport
 
@@ -18,5 +19,15 @@ def make_transport(name: str, fleet, **options) -> Transport:
 
         return BroadcastTransport(
             fleet, bucket_bytes=options["bucket_bytes"], deadline=options.get("deadline")
+        )
+    if name == "ipc":
+        from torchrl_vllm_ext.weight_sync.transports.ipc import IpcTransport
+
+        return IpcTransport(fleet, options["bucket_bytes"], options.get("deadline"))
+    if name == "auto":
+        from torchrl_vllm_ext.weight_sync.transports.planned import PlannedTransport
+
+        return PlannedTransport(
+            fleet, options["bucket_bytes"], options.get("deadline"), options.get("storage_dir")
         )
     raise ValueError(f"no transport named {name!r}")

@@ -65,6 +65,44 @@ def settle(refs: list, timeout: float, what: str) -> None:
             logger.debug("a replica could not %s: %s", what, e)
 
 
+STAGED_POLL_S = 0.005
+"""Seconds between checks that every worker finished staging a version."""
+
+
+async def wait_staged(
+    fleet: ReplicaFleet, replicas: Replicas, version: str, limit_s: float, answer_s: float
+) -> None:
+    """Poll the workers of ``replicas`` until each staged ``version`` (their background
+    read); a replica that died or does not answer within ``answer_s`` is dropped from
+    ``replicas`` (the death policy restarts it), one whose staging failed fails the push.
+    Raises :class:`WeightSyncError` after ``limit_s`` seconds."""
+    import asyncio
+
+    from torchrl_vllm_ext.protocol import WorkerMethods
+
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    while replicas:
+        ready = await fleet.call_all(
+            "collective_rpc",
+            WorkerMethods.STAGED_READY,
+            (version,),
+            replicas=replicas,
+            deadline=answer_s,
+        )
+        raise_errors(ready, "stage", version)
+        replicas[:] = [r for r in replicas if r.replica_id in ready.results]
+        if all(all(per_worker) for per_worker in ready.results.values()):
+            return
+        if loop.time() > end:
+            waiting = sorted(rid for rid, w in ready.results.items() if not all(w))
+            raise WeightSyncError(
+                f"replica(s) {waiting} did not stage version {version} within {limit_s:.1f}s; "
+                "no replica loaded it. Push again, or raise the scheme's deadline."
+            )
+        await asyncio.sleep(STAGED_POLL_S)
+
+
 class Transport(abc.ABC):
     """Moves validated weights to the replicas' workers; one per scheme.
 
@@ -87,6 +125,9 @@ class Transport(abc.ABC):
 
     def __init__(self, fleet: ReplicaFleet):
         self.fleet = fleet
+        self.staged_in: dict[int, str] = {}
+        """Where each replica staged the last push (``device`` / ``pinned`` on GPUs; empty
+        where the transport stages nothing)."""
 
     @abc.abstractmethod
     async def prepare(

@@ -29,6 +29,7 @@ from torchrl_vllm_ext.weight_sync.collective import BroadcastGroup, listen
 from torchrl_vllm_ext.weight_sync.packing import pack
 from torchrl_vllm_ext.weight_sync.specs import to_json
 from torchrl_vllm_ext.weight_sync.transports.base import (
+    STAGED_POLL_S,
     Outcomes,
     Replicas,
     Transport,
@@ -37,8 +38,6 @@ from torchrl_vllm_ext.weight_sync.transports.base import (
     settle,
 )
 
-STAGED_POLL_S = 0.005
-"""Seconds between checks that every worker verified the staged buckets, once sent."""
 SENDING_POLL_S = 0.25
 """Seconds between the same checks while the buckets are being sent (a heartbeat: a
 replica that stops answering them is found while the send still runs)."""
@@ -61,9 +60,17 @@ class BroadcastTransport(Transport):
     name = "broadcast"
     loads_one_at_a_time = False
 
-    def __init__(self, fleet, bucket_bytes: int, deadline: Deadline | None = None):
+    def __init__(
+        self,
+        fleet,
+        bucket_bytes: int,
+        deadline: Deadline | None = None,
+        backend: str | None = None,
+    ):
         super().__init__(fleet)
-        self.backend = "nccl" if torch.cuda.is_available() and fleet.uses_gpu else "gloo"
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() and fleet.uses_gpu else "gloo"
+        self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.deadline = deadline or Deadline()
         self.group: BroadcastGroup | None = None
@@ -76,6 +83,12 @@ class BroadcastTransport(Transport):
     ) -> WorkerCall:
         t0 = time.perf_counter()
         header, buffers = await asyncio.to_thread(pack, tensors, version, self.bucket_bytes)  # 1)
+        phases["pack"] = time.perf_counter() - t0
+        return await self.prepare_packed(header, buffers, replicas, phases)
+
+    async def prepare_packed(self, header, buffers, replicas: Replicas, phases: dict) -> WorkerCall:
+        """:meth:`prepare` from buckets packed already (2 to 5)."""
+        version = header.version
         header_json = to_json(header)
         limit = self.deadline.for_bytes(sum(b.numel() * b.element_size() for b in buffers))
         t1 = time.perf_counter()
@@ -94,7 +107,7 @@ class BroadcastTransport(Transport):
             self._drop_group()
             raise
         self._staged = (header_json, buffers)
-        phases.update(pack=t1 - t0, send=time.perf_counter() - t1)
+        phases["send"] = phases.get("send", 0.0) + time.perf_counter() - t1
         return WorkerCall(WorkerMethods.LOAD_STAGED, (version,))
 
     async def _send(self, buffers, replicas: Replicas, version: str, limit: float) -> None:

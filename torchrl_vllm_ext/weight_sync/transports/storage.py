@@ -2,8 +2,11 @@
 
 ``prepare``: 1) the writer fills the idle slot in place (copy, finiteness check and
 checksums in one pass) and publishes its manifest atomically; 2) each replica actor
-checksums the published slot while its engine keeps generating. In the pause the
-workers only copy the slot in (``load_weights_from_storage(root, version, verified=True)``).
+checksums the published slot while its engine keeps generating; 3) on GPUs, each worker
+copies the slot to its staging buffers (on the device, or pinned host memory when the
+GPU lacks room: :mod:`..staging`) in a background thread. In the pause the workers only
+copy in: from the slot on CPUs (``load_weights_from_storage(root, version,
+verified=True)``), from the staging buffers on GPUs (``load_staged_weights``).
 A restarted replica loads the published slot, so a push that no replica loaded
 publishes the previous version again. ``close`` has the replicas drop their mappings
 and removes the slots (see :class:`~..slots.SlotWriter`).
@@ -30,6 +33,7 @@ from torchrl_vllm_ext.weight_sync.transports.base import (
     WorkerCall,
     raise_errors,
     settle,
+    wait_staged,
 )
 
 logger = logging.getLogger(__name__)
@@ -87,7 +91,36 @@ class StorageTransport(Transport):
             raise
         replicas[:] = [r for r in replicas if r.replica_id in staged.results]
         phases.update(write=t1 - t0, stage=time.perf_counter() - t1)
-        return WorkerCall(WorkerMethods.LOAD_FROM_STORAGE, (self.root, version, True))
+        if not self.fleet.uses_gpu:
+            return WorkerCall(WorkerMethods.LOAD_FROM_STORAGE, (self.root, version, True))
+        t2 = time.perf_counter()  # 3)
+        try:
+            await self._stage_on_gpus(replicas, version, nbytes)
+        except WeightSyncError:
+            await self.rollback(version)
+            raise
+        phases["gpu_stage"] = time.perf_counter() - t2
+        return WorkerCall(WorkerMethods.LOAD_STAGED, (version,))
+
+    async def _stage_on_gpus(self, replicas: Replicas, version: str, nbytes: int) -> None:
+        """3) Every GPU worker copies the slot to its staging buffers before the pause."""
+        placed = await self.fleet.call_all(
+            "collective_rpc",
+            WorkerMethods.STAGE_FROM_STORAGE,
+            (self.root, version),
+            replicas=replicas,
+            deadline=self.deadline.answer_s,
+        )
+        raise_errors(placed, "stage", version)
+        replicas[:] = [r for r in replicas if r.replica_id in placed.results]
+        # A replica is as fast as its slowest worker: pinned if any worker is.
+        self.staged_in = {
+            rid: "pinned" if "pinned" in places else "device"
+            for rid, places in placed.results.items()
+        }
+        await wait_staged(
+            self.fleet, replicas, version, self.deadline.for_bytes(nbytes), self.deadline.answer_s
+        )
 
     async def rollback(self, version: str) -> None:
         if self._previous is not None:
