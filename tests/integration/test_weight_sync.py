@@ -169,3 +169,46 @@ def test_a_push_while_paused_leaves_the_replicas_paused_and_checks_them_at_resum
         assert scheme.verified_pushes == 1, "resume() ran the deferred value check"
         assert_replicas_match(service, trainer, "while-paused")
         scheme.push(original, version="0")  # later tests expect the checkpoint's weights
+
+
+def test_a_planned_push_mixes_routes_commits_one_version_and_brings_up_restarts(
+    service, trainer, original
+):
+    """``auto`` on GPUs plans a route per replica (weight_sync/plan.py: IPC, NCCL layers,
+    storage, gloo). The mechanics on CPU: one push whose replicas take two routes
+    (storage and a gloo broadcast) commits one version; a replica restarted afterwards is
+    brought up through its route from the committed buckets."""
+    from torchrl_vllm_ext.weight_sync.plan import ReplicaPlan, TransportPlan
+    from torchrl_vllm_ext.weight_sync.transports.planned import PlannedTransport
+
+    first = service.replica_ids[0]
+
+    def by_id(trainer_place, workers, shared_dir):
+        return TransportPlan(
+            tuple(ReplicaPlan(r, "storage" if r == first else "gloo") for r in sorted(workers))
+        )
+
+    scheme = WeightSyncScheme(service, transport="storage")
+    scheme.transport_impl.close()
+    scheme.transport_impl = PlannedTransport(
+        service.pool, bucket_bytes=1 << 20, deadline=scheme.deadline, planner=by_id
+    )
+    with scheme:
+        perturb(trainer, seed=11)
+        report = scheme.push(trainer, version="planned-1")
+        assert report.transport == "gloo+storage"
+        other = [r for r in service.replica_ids if r != first]
+        assert scheme.reason == f"storage: replicas [{first}]; gloo: replicas {other}"
+        assert set(report.pause_s) == set(service.replica_ids)
+        assert_replicas_match(service, trainer, "planned-1")
+        victim = other[0]
+        old_pid = service.replica_info(victim).pid
+        os.kill(old_pid, signal.SIGKILL)  # its restart loads planned-1 over gloo
+        wait_until(
+            lambda: any(r.replica_id == victim and r.info.pid != old_pid for r in service.replicas()),
+            timeout=300,
+            interval=1.0,
+            what="the killed replica to restart",
+        )
+        assert_replicas_match(service, trainer, "planned-1")
+        scheme.push(original, version="0")  # later tests expect the checkpoint's weights

@@ -54,6 +54,9 @@ class PlannedTransport(Transport):
         deadline: how long each step may wait.
         storage_dir: the storage route's root (a directory other hosts share makes them
             storage routes too).
+        planner: ``(trainer, workers, shared_dir) -> TransportPlan``;
+            :func:`~..plan.plan_routes` unless given (tests route CPU replicas through
+            mixed plans with it).
 
     Examples:
         >>> scheme = WeightSyncScheme(gpu_service)  # doctest: +SKIP
@@ -64,9 +67,15 @@ class PlannedTransport(Transport):
     loads_one_at_a_time = False  # an NCCL layer reaches its replicas in one collective
 
     def __init__(
-        self, fleet, bucket_bytes: int, deadline: Deadline | None = None, storage_dir=None
+        self,
+        fleet,
+        bucket_bytes: int,
+        deadline: Deadline | None = None,
+        storage_dir=None,
+        planner=plan_routes,
     ):
         super().__init__(fleet)
+        self.planner = planner
         self.bucket_bytes = bucket_bytes
         self.deadline = deadline or Deadline()
         self.storage_dir = storage_dir
@@ -102,7 +111,7 @@ class PlannedTransport(Transport):
         )
         places = await self._places_of(replicas)  # 1)
         replicas[:] = [r for r in replicas if r.replica_id in places]
-        self.plan = plan_routes(self._trainer, places, self.storage_dir is not None)  # 3)
+        self.plan = self.planner(self._trainer, places, self.storage_dir is not None)  # 3)
         phases["plan"] = time.perf_counter() - t0
         logger.info("version %s: %s", version, self.plan.reason)
         self._used, self._packed, self.staged_in = [], None, {}
@@ -149,7 +158,7 @@ class PlannedTransport(Transport):
         places = await self._places_of([replica])
         if self._trainer is None or replica.replica_id not in places:
             raise WeightSyncError(f"replica {replica.replica_id} cannot be planned for {version}.")
-        plan = plan_routes(self._trainer, places, self.storage_dir is not None)
+        plan = self.planner(self._trainer, places, self.storage_dir is not None)
         route = plan.replicas[0].route
         storage = self._subs.get(("storage", 0))
         slot = storage.writer.published() if isinstance(storage, StorageTransport) else None
