@@ -22,7 +22,7 @@ import torch
 from torchrl_vllm_ext import VLLMService, WeightSyncError, WeightSyncScheme
 from torchrl_vllm_ext.testing import make_tiny_model
 
-from ..helpers import wait_until
+from ..helpers import wait_restarted
 
 pytestmark = pytest.mark.gpu
 
@@ -184,12 +184,7 @@ def test_a_replica_killed_mid_push_is_restarted_at_the_live_version(gpu_service,
         ray.kill(gpu_service.replica_handle(victim), no_restart=True)
         thread.join(timeout=600)
         assert outcome, "the push returned"
-        wait_until(
-            lambda: any(r.replica_id == victim and r.info.pid != old_pid for r in gpu_service.replicas()),
-            600,
-            interval=1.0,
-            what="the killed replica to restart",
-        )
+        wait_restarted(gpu_service, victim, old_pid)
         live = gpu_service.weight_version  # the push's version if it committed
         assert set(gpu_service.weight_versions().values()) == {live}
         if live == "killed-mid-push":

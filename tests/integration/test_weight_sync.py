@@ -16,6 +16,7 @@ from ..helpers import (
     assert_replicas_match,
     hf_token_logprobs,
     perturb,
+    wait_restarted,
     wait_until,
 )
 
@@ -204,11 +205,6 @@ def test_a_planned_push_mixes_routes_commits_one_version_and_brings_up_restarts(
         victim = other[0]
         old_pid = service.replica_info(victim).pid
         os.kill(old_pid, signal.SIGKILL)  # its restart loads planned-1 over gloo
-        wait_until(
-            lambda: any(r.replica_id == victim and r.info.pid != old_pid for r in service.replicas()),
-            timeout=300,
-            interval=1.0,
-            what="the killed replica to restart",
-        )
+        wait_restarted(service, victim, old_pid)
         assert_replicas_match(service, trainer, "planned-1")
         scheme.push(original, version="0")  # later tests expect the checkpoint's weights
