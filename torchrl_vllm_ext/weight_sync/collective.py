@@ -96,13 +96,16 @@ class BroadcastGroup:
         )
 
     def send(self, buffers: list[torch.Tensor]) -> None:
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if self.backend == "nccl"
-            else torch.device("cpu")
-        )
         for buf in buffers:
-            self._pg.broadcast(buf.to(device), 0).wait()
+            self._pg.broadcast(buf.to(self._device(buf)), 0).wait()
+
+    def _device(self, buf: torch.Tensor) -> torch.device:
+        """Where rank 0 sends from: gloo from the host; NCCL from the GPU the buckets were
+        packed on (the trainer's, which the transport plan kept out of the group's other
+        ranks), else the current one."""
+        if self.backend != "nccl":
+            return torch.device("cpu")
+        return buf.device if buf.is_cuda else torch.device("cuda", torch.cuda.current_device())
 
     def close(self) -> None:
         self._pg = None

@@ -128,6 +128,11 @@ class WeightSyncWorkerExtension:
         if "error" in staged:
             raise staged["error"]
         self._tvllm_load(staged["result"], version)
+        if self.__dict__.get("_tvllm_stage_buffers") and self.vllm_config.model_config.enable_sleep_mode:
+            # A replica that sleeps gives its GPU to a colocated trainer: staging buffers
+            # kept from push to push would stay allocated through its sleep.
+            del self._tvllm_stage_buffers
+            torch.cuda.empty_cache()
         return version
 
     def _tvllm_staged_for(self, version: str):
