@@ -217,7 +217,7 @@ class WeightSyncScheme:
         # A verified push's check of the replicas that could not run the probe yet:
         # (version, trainer's log-probs, replica ids), run when the service serves again.
         self._deferred: tuple[str, list[float], set[int]] | None = None
-        self._unhook = service.pool.when_serving(self._check_deferred)
+        self._unhook = service.pool.when_serving(_weak_hook(self._check_deferred))
         self.verify_tol = verify_tol or default_tolerance(
             str(service.config.engine_kwargs.get("dtype", "auto"))
         )
@@ -624,6 +624,19 @@ class WeightSyncScheme:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _weak_hook(method):
+    """``method`` as a pool hook that does not keep its scheme alive (a scheme nobody
+    closes is freed with its transport like any object)."""
+    ref = weakref.WeakMethod(method)
+
+    async def hook(ready) -> None:
+        bound = ref()
+        if bound is not None:
+            await bound(ready)
+
+    return hook
 
 
 def _register_with_torchrl() -> None:
