@@ -25,7 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def versions() -> dict:
     import torch
-
     import vllm
 
     out = {
@@ -72,7 +71,9 @@ def run_tests(timeout_s: int) -> list[dict]:
             node = case.find(kind)
             if node is not None:
                 outcome = "skipped" if kind == "skipped" else "failed"
-                message = (node.get("message") or "").splitlines()[0][:200] if node.get("message") else ""
+                message = (
+                    (node.get("message") or "").splitlines()[0][:200] if node.get("message") else ""
+                )
         tests.append(
             {
                 "test": case.get("name"),

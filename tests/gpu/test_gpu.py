@@ -195,9 +195,10 @@ def test_a_replica_killed_mid_push_is_restarted_at_the_live_version(gpu_service,
 def test_replicas_on_other_gpus_take_nccl_layers_one_rank_per_gpu(model_dir, trainer):
     """Four replicas on halves of two GPUs: the two on the trainer's GPU get CUDA IPC, the
     two sharing the other GPU one NCCL layer each; all exact."""
-    with VLLMService.launch(
-        model_dir, num_replicas=4, gpus_per_replica=0.5, **ENGINE_KWARGS
-    ) as svc, WeightSyncScheme(svc) as scheme:
+    with (
+        VLLMService.launch(model_dir, num_replicas=4, gpus_per_replica=0.5, **ENGINE_KWARGS) as svc,
+        WeightSyncScheme(svc) as scheme,
+    ):
         perturb(trainer, seed=5)
         report = scheme.push(trainer, version="layers-1")
         assert report.transport == "ipc+nccl", scheme.reason
@@ -207,9 +208,12 @@ def test_replicas_on_other_gpus_take_nccl_layers_one_rank_per_gpu(model_dir, tra
 
 @pytest.mark.skipif(gpus() < 2, reason="tensor parallelism needs a second GPU")
 def test_a_tensor_parallel_replica_is_synced_exactly(model_dir, trainer):
-    with VLLMService.launch(
-        model_dir, num_replicas=1, tensor_parallel_size=2, **ENGINE_KWARGS
-    ) as svc, WeightSyncScheme(svc) as scheme:
+    with (
+        VLLMService.launch(
+            model_dir, num_replicas=1, tensor_parallel_size=2, **ENGINE_KWARGS
+        ) as svc,
+        WeightSyncScheme(svc) as scheme,
+    ):
         perturb(trainer, seed=6)
         scheme.push(trainer, version="tp-1")
         assert_matches_trainer(svc, trainer, f"TP=2 over {scheme.transport}")

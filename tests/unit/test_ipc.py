@@ -4,6 +4,8 @@ in the gpu tier)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -62,8 +64,6 @@ def test_only_flat_uint8_buckets_and_torchs_storage_classes_are_accepted():
     bad_dtype[5] = torch.float32
     with pytest.raises(WeightSyncError, match="only 1-D uint8 buckets"):
         handle_from_args(tuple(bad_dtype), GPU)
-    forged = handle_from_args(reduce_args(), GPU).__class__(
-        **{**handle_from_args(reduce_args(), GPU).__dict__, "storage_cls": "os.system"}
-    )
-    with pytest.raises(WeightSyncError, match="'os.system' is not one of torch's"):
+    forged = dataclasses.replace(handle_from_args(reduce_args(), GPU), storage_cls="os.system")
+    with pytest.raises(WeightSyncError, match=r"'os\.system' is not one of torch's"):
         rebuild_args(forged, 0)

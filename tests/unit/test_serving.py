@@ -77,7 +77,10 @@ def test_bad_sleep_level_is_refused():
         (AWAKE.slept(2), ["bring_up", "sleep"]),
         # weights woken to be pushed into: sleep, wake them, then load the live version
         (LEVEL2_WEIGHTS_AWAKE, ["sleep", "wake_weights", "bring_up"]),
-        (LEVEL2_WEIGHTS_AWAKE.paused_as("abort", True), ["sleep", "wake_weights", "bring_up", "pause"]),
+        (
+            LEVEL2_WEIGHTS_AWAKE.paused_as("abort", True),
+            ["sleep", "wake_weights", "bring_up", "pause"],
+        ),
     ],
 )
 def test_a_restarted_replica_comes_back_in_the_services_state(state, steps):

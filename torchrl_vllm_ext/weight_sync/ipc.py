@@ -54,7 +54,9 @@ def handle_from_args(args: tuple, gpu: str) -> CudaIpcHandle:
         raise WeightSyncError(f"only 1-D uint8 buckets are shared, not {dtype} {tuple(size)}.")
     name = f"{storage_cls.__module__}.{storage_cls.__qualname__}"
     if name not in _STORAGE_CLASSES:
-        raise WeightSyncError(f"storage class {name} is not one of torch's {list(_STORAGE_CLASSES)}.")
+        raise WeightSyncError(
+            f"storage class {name} is not one of torch's {list(_STORAGE_CLASSES)}."
+        )
     return CudaIpcHandle(
         gpu=gpu,
         numel=int(size[0]),

@@ -407,7 +407,9 @@ class WeightSyncScheme:
         later = {rid for rid, r in loaded.results.items() if not r.get("probe_now", True)}
         if later:
             # One push's groups (rolling: one replica each) add to the same check.
-            earlier = self._deferred[2] if self._deferred and self._deferred[0] == version else set()
+            earlier = (
+                self._deferred[2] if self._deferred and self._deferred[0] == version else set()
+            )
             self._deferred = (version, expected, later | earlier)
             logger.info(
                 "version %s: value check of replica(s) %s deferred until they serve "

@@ -78,8 +78,15 @@ class WeightSyncWorkerExtension:
             for name, src in tensors.items():
                 buf = buffers.get(name)
                 on = device if place == "device" else torch.device("cpu")
-                if buf is None or buf.shape != src.shape or buf.dtype != src.dtype or buf.device != on:
-                    buf = torch.empty(src.shape, dtype=src.dtype, device=on, pin_memory=place == "pinned")
+                if (
+                    buf is None
+                    or buf.shape != src.shape
+                    or buf.dtype != src.dtype
+                    or buf.device != on
+                ):
+                    buf = torch.empty(
+                        src.shape, dtype=src.dtype, device=on, pin_memory=place == "pinned"
+                    )
                     buffers[name] = buf
                 buf.copy_(src)
                 out.append((name, buf))
@@ -128,7 +135,10 @@ class WeightSyncWorkerExtension:
         if "error" in staged:
             raise staged["error"]
         self._tvllm_load(staged["result"], version)
-        if self.__dict__.get("_tvllm_stage_buffers") and self.vllm_config.model_config.enable_sleep_mode:
+        if (
+            self.__dict__.get("_tvllm_stage_buffers")
+            and self.vllm_config.model_config.enable_sleep_mode
+        ):
             # A replica that sleeps gives its GPU to a colocated trainer: staging buffers
             # kept from push to push would stay allocated through its sleep.
             del self._tvllm_stage_buffers
@@ -242,7 +252,9 @@ class WeightSyncWorkerExtension:
 
     def _tvllm_open_ipc(self, update: IpcUpdate) -> list[tuple[str, torch.Tensor]]:
         out = []
-        for i, (bucket, handle) in enumerate(zip(update.header.buckets, update.handles, strict=True)):
+        for i, (bucket, handle) in enumerate(
+            zip(update.header.buckets, update.handles, strict=True)
+        ):
             buf = open_bucket(handle)
             got = device_checksum(buf)
             if got != bucket.checksum:

@@ -28,7 +28,13 @@ from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import WorkerMethods
 from torchrl_vllm_ext.weight_sync.ipc import device_uuid, share
 from torchrl_vllm_ext.weight_sync.packing import pack, unpack
-from torchrl_vllm_ext.weight_sync.plan import Place, Route, TransportPlan, normalise_uuid, plan_routes
+from torchrl_vllm_ext.weight_sync.plan import (
+    Place,
+    Route,
+    TransportPlan,
+    normalise_uuid,
+    plan_routes,
+)
 from torchrl_vllm_ext.weight_sync.specs import IpcUpdate, to_json
 from torchrl_vllm_ext.weight_sync.transports.base import (
     Replicas,
@@ -181,7 +187,11 @@ class PlannedTransport(Transport):
             await sender.bring_up(replica, version)
         else:  # storage, with no slot of this version yet: write one from the buckets
             sub = self._sub("storage", 0)
-            tensors = {n: t for b, buf in zip(header.buckets, buffers) for n, t in unpack(b, buf)}
+            tensors = {
+                n: t
+                for b, buf in zip(header.buckets, buffers, strict=True)
+                for n, t in unpack(b, buf)
+            }
             call = await sub.prepare(tensors, version, [replica], {})
             await handle.collective_rpc.remote(call.method, call.args)
             await sub.commit(version)
