@@ -6,9 +6,15 @@
 * :class:`~.lora_serving.LoraServing`: the adapters on every replica.
 
 All of their state lives on one private event loop (:class:`~.loop.LoopThread`): the sync
-methods block on it and the ``a``-prefixed ones await it, so both share one path.
-Readers of the ready snapshot (``replica_ids``, ``num_replicas``, ``replica_info``, ...)
-run on the caller's thread.
+methods block on it and the ``a``-prefixed ones await it (both made from one coroutine,
+:func:`~.owner.twins`). Readers of the ready snapshot (``replica_ids``, ``replica_info``,
+...) run on the caller's thread.
+
+The service pickles, as TorchRL's ``AsyncVLLM`` does: in another Ray process it is a
+handle to the same replicas (:mod:`.directory`, :class:`~.handle_pool.HandlePool`). A
+handle generates and scores through them, sees the owner's weight version and deaths, and
+forwards what only the owner does (:func:`~.owner.owner_only`: pushes, pause, replicas,
+adapters); closing a handle stops nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
-import warnings
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,39 +31,38 @@ import ray
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._compat import vllm_engine_api
 from torchrl_vllm_ext.batches import RequestBatch
-from torchrl_vllm_ext.engine import cluster
+from torchrl_vllm_ext.engine import cluster, handles
 from torchrl_vllm_ext.engine.adapters import AdapterRegistry
 from torchrl_vllm_ext.engine.base import check_pause_mode
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.generation import Generation
+from torchrl_vllm_ext.engine.handle_pool import HandlePool
 from torchrl_vllm_ext.engine.loop import LoopThread
 from torchrl_vllm_ext.engine.lora_serving import LoraServing
-from torchrl_vllm_ext.engine.outputs import to_request_output
+from torchrl_vllm_ext.engine.owner import FORWARDED, add_deprecated_aliases, owner_only, twins
 from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView, WeightsProvider
 from torchrl_vllm_ext.engine.prompt_forms import encode_texts, parse_prompts
 from torchrl_vllm_ext.engine.torchrl_engine import (
+    TorchRLEngineCalls,
     actor_style,
     register_engine,
     register_engine_if_loaded,
+    request_outputs,
 )
 from torchrl_vllm_ext.engine.torchrl_engine import lora_name as _lora_name
-from torchrl_vllm_ext.errors import (
-    ConfigurationError,
-    InvalidRequestError,
-    ServiceClosedError,
-)
+from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError, ServiceClosedError
 from torchrl_vllm_ext.hf import load_tokenizer
 from torchrl_vllm_ext.messages import ReplicaDeath, ReplicaInfo, ReplicaStats, RequestData
-from torchrl_vllm_ext.protocol import load_class
 
 T = TypeVar("T")
 
 
-class VLLMService:
+class VLLMService(TorchRLEngineCalls):
     """vLLM v1 engine replicas as Ray actors behind one object.
 
     Use :meth:`launch` (or :meth:`from_config`); shut down with :meth:`shutdown` or a
-    ``with`` block, which releases every actor and placement group.
+    ``with`` block, which releases every actor and placement group. Pickled into another
+    Ray process (a Ray actor, a task), it is a handle to the same replicas.
 
     Examples:
         >>> from torchrl_vllm_ext import VLLMService
@@ -69,19 +73,27 @@ class VLLMService:
         8
     """
 
-    def __init__(self, config: ServiceConfig):
+    def __init__(self, config: ServiceConfig, pool: ReplicaPool | HandlePool | None = None):
         self.config = config
         self.name = f"tvllm-{uuid.uuid4().hex[:8]}"
         self._loop = LoopThread(self.name)
-        self.pool = ReplicaPool(config, self.name)
+        self.pool = pool if pool is not None else ReplicaPool(config, self.name)
         """The replicas (what weight-sync transports are given)."""
-        adapters = AdapterRegistry()
-        self._generation = Generation(self.pool, adapters, self.name)
-        self._lora = LoraServing(self.pool, adapters)
+        self._adapters = AdapterRegistry()
+        self._generation = Generation(self.pool, self._adapters, self.name)
+        self._lora = LoraServing(self.pool, self._adapters) if self.is_owner else None
+        # The owner's OwnerLink (directory, mailbox, port) or a handle's HandleLink.
+        self._link: handles.OwnerLink | handles.HandleLink | None = None
         self._owns_ray = False
         self._closed = False
         self._tokenizer = None
         self._engine_updates = None  # TorchRL's engine calls: a scheme made on first use
+        self._engine_args = None
+
+    @property
+    def is_owner(self) -> bool:
+        """True in the process that launched the service; False in a handle."""
+        return not isinstance(self.pool, HandlePool)
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -121,6 +133,8 @@ class VLLMService:
             svc._owns_ray = cluster.ensure_ray(
                 config.ray_address, log_to_driver=config.log_file is None
             )
+            svc._link = handles.OwnerLink(svc.name, svc._serve)
+            svc.pool.on_publish(svc._publish)
             svc._loop.run(svc._launch())
         except BaseException:
             svc.shutdown()
@@ -137,7 +151,8 @@ class VLLMService:
         self.pool.start_health_checks()
 
     def shutdown(self) -> None:
-        """Stop every replica and release its actor and placement group. Idempotent."""
+        """The owner stops every replica and releases its actor, placement group and port;
+        a handle only stops following them. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -147,6 +162,14 @@ class VLLMService:
             self._loop.run(self.pool.close(), timeout=300)
         finally:
             self._loop.close()
+            if self.is_owner:
+                self._close_owned()
+
+    def _close_owned(self) -> None:
+        try:
+            if self._link is not None:
+                self._link.close(self.pool, self._adapters.live())
+        finally:
             if self._owns_ray and ray.is_initialized():
                 ray.shutdown()
 
@@ -162,9 +185,50 @@ class VLLMService:
     async def __aexit__(self, *exc) -> None:
         await asyncio.to_thread(self.shutdown)
 
+    # ------------------------------------------------------------------ owner and handles
+    def __reduce__(self):
+        if self._closed or self._link is None:
+            raise ServiceClosedError(f"service {self.name} is not running; nothing to pickle.")
+        if self.is_owner:
+            table = self._link.table(self.pool, self._adapters.live())
+        else:
+            table = self.pool.table
+        owner = self.name.split("-h")[0]
+        return _attach, (self.config, self._link.directory, table, owner)
+
+    def _publish(self) -> None:
+        """Mirror the pool's state to the handles' directory (after every change)."""
+        self._link.publish(self.pool, self._adapters.live())
+
+    def export(self, method) -> str:
+        """Let handles call the bound ``method`` through :meth:`call_exported` (the owner
+        holds it weakly); returns its key. A weight-sync updater shipped into a Ray actor
+        exports its scheme's ``push`` this way."""
+        self._require_owner("export")
+        return self._link.export(method)
+
+    @owner_only
+    def call_exported(self, key: str, *args, **kwargs):
+        """Call what :meth:`export` returned ``key`` for (from a handle: on the owner)."""
+        return self._link.exported(key)(*args, **kwargs)
+
+    def _serve(self, kind: str, payload):
+        """A handle's request, on the owner (a mailbox thread)."""
+        if kind == "death":
+            return self.run(self.pool.report_death(*payload))
+        name, args, kwargs = ray.get(payload[0]) if kind == "call" else (kind, (), {})
+        if name not in FORWARDED:
+            raise InvalidRequestError(f"a service handle asked for {kind} {name!r}: not served.")
+        return getattr(self, name)(*args, **kwargs)
+
+    def _forward(self, name: str, args: tuple, kwargs: dict):
+        """Owner-only method ``name``, run by the owner (this is a handle)."""
+        if name == "update_weights":  # an iterator crosses as the list it yields
+            args = (list(args[0]), *args[1:])
+        return self._link.forward(name, args, kwargs)
+
     # ------------------------------------------------------------------ generation
-    @actor_style
-    def generate(
+    async def _generate(
         self,
         prompts=None,
         sampling_params=None,
@@ -199,51 +263,50 @@ class VLLMService:
         ``svc.generate.remote(...)`` returns a Ray ``ObjectRef`` of the same list, so code
         written for a Ray actor (TorchRL's ``vLLMWrapper``) takes the service.
         """
-        parsed, lora = self._llm_request(
-            prompts, prompt_token_ids, tokenization_kwargs, lora, lora_request
+        encode = functools.partial(self._encode, tokenization_kwargs=tokenization_kwargs)
+        parsed = parse_prompts(_one_of(prompts, prompt_token_ids), encode)
+        batch = await self._generation.run(
+            parsed.token_ids, sampling_params, timeout, routing, _lora_name(lora, lora_request)
         )
-        batch = self.generate_request_batch(
-            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-        )
-        return self._request_outputs(batch, parsed.texts, sampling_params)
+        return request_outputs(batch, parsed.texts, sampling_params, self.name)
 
-    async def agenerate(
+    generate, agenerate = twins(_generate)
+    generate = actor_style(generate)
+
+    async def _generate_request_data(
+        self, prompts, sampling_params=None, *, timeout=None, routing=None, lora=None
+    ) -> list[RequestData]:
+        """Like :meth:`generate` (every prompt form) but returns plain :class:`RequestData`
+        (numpy arrays)."""
+        parsed = parse_prompts(prompts, self._encode)
+        batch = await self._generation.run(
+            parsed.token_ids, sampling_params, timeout, routing, lora
+        )
+        return batch.unpack()
+
+    generate_request_data, agenerate_request_data = twins(_generate_request_data)
+
+    async def _generate_request_batch(
         self,
-        prompts=None,
+        prompt_token_ids,
         sampling_params=None,
         *,
-        prompt_token_ids=None,
         timeout=None,
         routing=None,
         lora=None,
-        lora_request=None,
-        tokenization_kwargs=None,
-        use_tqdm=None,
-    ) -> list:
-        """Async :meth:`generate`."""
-        parsed, lora = self._llm_request(
-            prompts, prompt_token_ids, tokenization_kwargs, lora, lora_request
-        )
-        batch = await self.agenerate_request_batch(
-            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-        )
-        return self._request_outputs(batch, parsed.texts, sampling_params)
+        return_log_probs: bool = True,
+    ) -> RequestBatch:
+        """Like :meth:`generate` but returns one :class:`RequestBatch` of flat arrays, in
+        input order: the fastest form, which ``VLLMPolicy`` converts to a TensorDict.
+        ``prompt_token_ids`` is a list of token-id sequences (no text: the hot path).
 
-    def _llm_request(self, prompts, prompt_token_ids, tokenization_kwargs, lora, lora_request):
-        """``vllm.LLM.generate``'s arguments -> (parsed prompts, adapter name)."""
-        encode = functools.partial(self._encode, tokenization_kwargs=tokenization_kwargs)
-        parsed = parse_prompts(_one_of(prompts, prompt_token_ids), encode)
-        return parsed, _lora_name(lora, lora_request)
+        ``return_log_probs=False`` skips vLLM's sampled-token log-probs (NaN in the batch).
+        """
+        return await self._generation.run(
+            prompt_token_ids, sampling_params, timeout, routing, lora, return_log_probs
+        )
 
-    def _request_outputs(self, batch: RequestBatch, texts: list[str | None], params) -> list:
-        # Log-probs in the form each request asked for (vLLM's default: a list of dicts).
-        per_request = params if isinstance(params, list | tuple) else [params] * len(texts)
-        outputs = []
-        for i, (data, text, p) in enumerate(zip(batch.unpack(), texts, per_request, strict=True)):
-            out = to_request_output(data, f"{self.name}-{i}", _wants_flat(p))
-            out.prompt = text
-            outputs.append(out)
-        return outputs
+    generate_request_batch, agenerate_request_batch = twins(_generate_request_batch)
 
     def _encode(self, texts: list[str], tokenization_kwargs=None) -> list[list[int]]:
         # The tokenizer is loaded at the first text prompt, not for token prompts.
@@ -263,92 +326,13 @@ class VLLMService:
         for a Ray actor where TorchRL expects one (``vLLMWrapper``)."""
         return ray.put(getattr(self, method)(*args, **kwargs))
 
-    def generate_request_data(
-        self, prompts, sampling_params=None, *, timeout=None, routing=None, lora=None
-    ) -> list[RequestData]:
-        """Like :meth:`generate` (every prompt form) but returns plain :class:`RequestData`
-        (numpy arrays)."""
-        parsed = parse_prompts(prompts, self._encode)
-        return self.generate_request_batch(
-            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-        ).unpack()
-
-    async def agenerate_request_data(
-        self, prompts, sampling_params=None, *, timeout=None, routing=None, lora=None
-    ) -> list[RequestData]:
-        """Async :meth:`generate_request_data`."""
-        parsed = parse_prompts(prompts, self._encode)
-        batch = await self.agenerate_request_batch(
-            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-        )
-        return batch.unpack()
-
-    def generate_request_batch(
-        self,
-        prompt_token_ids,
-        sampling_params=None,
-        *,
-        timeout=None,
-        routing=None,
-        lora=None,
-        return_log_probs: bool = True,
-    ) -> RequestBatch:
-        """Like :meth:`generate` but returns one :class:`RequestBatch` of flat arrays, in
-        input order: the fastest form, which ``VLLMPolicy`` converts to a TensorDict.
-        ``prompt_token_ids`` is a list of token-id sequences (no text: the hot path).
-
-        ``return_log_probs=False`` skips vLLM's sampled-token log-probs (NaN in the batch).
-        """
-        return self.run(
-            self._generation.run(
-                prompt_token_ids, sampling_params, timeout, routing, lora, return_log_probs
-            )
-        )
-
-    async def agenerate_request_batch(
-        self,
-        prompt_token_ids,
-        sampling_params=None,
-        *,
-        timeout=None,
-        routing=None,
-        lora=None,
-        return_log_probs: bool = True,
-    ) -> RequestBatch:
-        """Async :meth:`generate_request_batch`."""
-        return await self.arun(
-            self._generation.run(
-                prompt_token_ids, sampling_params, timeout, routing, lora, return_log_probs
-            )
-        )
-
-    def generate_batch(self, *args, **kwargs) -> list[RequestData]:
-        """Deprecated name of :meth:`generate_request_data`."""
-        _renamed("generate_batch", "generate_request_data")
-        return self.generate_request_data(*args, **kwargs)
-
-    async def agenerate_batch(self, *args, **kwargs) -> list[RequestData]:
-        """Deprecated name of :meth:`agenerate_request_data`."""
-        _renamed("agenerate_batch", "agenerate_request_data")
-        return await self.agenerate_request_data(*args, **kwargs)
-
-    def generate_flat(self, *args, **kwargs) -> RequestBatch:
-        """Deprecated name of :meth:`generate_request_batch`."""
-        _renamed("generate_flat", "generate_request_batch")
-        return self.generate_request_batch(*args, **kwargs)
-
-    async def agenerate_flat(self, *args, **kwargs) -> RequestBatch:
-        """Deprecated name of :meth:`agenerate_request_batch`."""
-        _renamed("agenerate_flat", "agenerate_request_batch")
-        return await self.agenerate_request_batch(*args, **kwargs)
-
     @property
     def routing(self) -> tuple[str, ...]:
         """The routing strategies a batch uses unless it names others."""
         return self._generation.routing
 
     # ------------------------------------------------------------------ LoRA
-    def add_lora(self, name: str, path: str | Path, shared: bool = False) -> int:
+    async def _add_lora(self, name: str, path: str | Path, shared: bool = False) -> int:
         """Load the PEFT LoRA adapter in ``path`` on every replica as ``name``; returns
         vLLM's id for it. Re-adding a name loads the new files under a new id (requests
         already running finish on the old one). Needs ``enable_lora=True`` at launch.
@@ -357,24 +341,35 @@ class VLLMService:
         store, unless ``shared`` says every node sees ``path`` (a shared file system).
         A replica that dies meanwhile gets the adapter when it restarts.
         """
-        return self.run(self._lora.add(name, path, shared))
+        try:
+            return await self._lora.add(name, path, shared)
+        finally:
+            self._publish()
 
-    def remove_lora(self, name: str) -> None:
+    async def _remove_lora(self, name: str) -> None:
         """Unload adapter ``name`` from every replica."""
-        self.run(self._lora.remove(name))
+        try:
+            await self._lora.remove(name)
+        finally:
+            self._publish()
 
-    async def aremove_lora(self, name: str) -> None:
-        """Async :meth:`remove_lora`."""
-        await self.arun(self._lora.remove(name))
+    add_lora, _ = twins(_add_lora, owner=True)
+    remove_lora, aremove_lora = twins(_remove_lora, owner=True)
 
     def list_loras(self) -> dict[str, int]:
         """Live adapters: name -> vLLM id."""
-        return self._lora.live()
+        return {a.name: a.lora_id for a in self._adapters.live()}
 
     # ------------------------------------------------------------------ replicas
     def replicas(self) -> tuple[ReplicaView, ...]:
         """The ready replicas (id, actor handle, info): one consistent snapshot."""
         return self.pool.ready()
+
+    @property
+    def actors(self) -> list:
+        """The ready replicas' Ray actor handles, by replica id (TorchRL's
+        ``AsyncVLLM.actors``: ``get_tokenizer``, ``collective_rpc_v1``, ``sleep``, ...)."""
+        return [v.handle for v in self.pool.ready()]
 
     @property
     def replica_ids(self) -> list[int]:
@@ -419,12 +414,14 @@ class VLLMService:
         """Whether the replicas run on GPUs."""
         return self.pool.uses_gpu
 
+    @owner_only
     def add_replicas(self, k: int) -> list[int]:
         """Start ``k`` more replicas while serving; returns their ids."""
         if not isinstance(k, int) or k < 1:
             raise ConfigurationError(f"add_replicas(k={k!r}): k must be an integer >= 1.")
         return self.run(self.pool.start(k, f"adding {k} vLLM replica(s)"))
 
+    @owner_only
     def remove_replicas(self, k: int, drain_timeout: float = 600.0) -> list[int]:
         """Remove ``k`` replicas while serving: they take no new work, finish what they have, stop."""
         ready = self.num_replicas
@@ -435,6 +432,7 @@ class VLLMService:
             )
         return self.run(self.pool.remove(k, drain_timeout))
 
+    @owner_only
     def check_health(self) -> dict[int, bool]:
         """Ping every ready replica now; dead ones are restarted. Returns {replica_id: healthy}."""
         return self.run(self.pool.check_health())
@@ -446,29 +444,26 @@ class VLLMService:
         out.check("stats")
         return [out.results[rid] for rid in sorted(out.results)]
 
+    @owner_only
     def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
         """Pause generation on every replica (vLLM modes: ``abort``, ``wait``, ``keep``).
 
         A replica restarted while paused comes back paused.
         """
         check_pause_mode(mode)
-        self.run(self._pause(mode, clear_cache))
-
-    async def _pause(self, mode: str, clear_cache: bool) -> None:
         self.pool.serving = self.pool.serving.paused_as(mode, clear_cache)
-        (await self.pool.call_all("pause", mode, clear_cache)).check("pause")
+        self._call_all("pause", mode, clear_cache)
 
+    @owner_only
     def resume(self) -> None:
         """Resume generation on every replica after :meth:`pause` (a sleeping service
         resumes once it is awake). A push made meanwhile is value-checked now: a
         replica that fails the check is restarted and :class:`WeightSyncError` names it."""
-        self.run(self._resume())
-
-    async def _resume(self) -> None:
         self.pool.serving = self.pool.serving.resumed()
-        (await self.pool.call_all("resume")).check("resume")
-        await self.pool.serving_again()
+        self._call_all("resume")
+        self.run(self.pool.serving_again())
 
+    @owner_only
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Free the replicas' GPU memory for a colocated trainer (vLLM sleep mode).
 
@@ -490,6 +485,7 @@ class VLLMService:
         self.pool.serving = state
         self._call_all("sleep", level, mode)
 
+    @owner_only
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake the replicas: everything, or only ``tags`` (``["weights"]``, then
         ``["kv_cache"]`` after a push at sleep level 2). A push made while the cache slept
@@ -507,22 +503,18 @@ class VLLMService:
         """The version every replica serves and restarted replicas are brought to."""
         return self.pool.weight_version
 
-    def set_weight_version(self, version: str | int) -> None:
+    async def _set_weight_version(self, version: str | int) -> None:
         """Label every replica's weights with ``version`` (restarted replicas get the label).
 
         The label replaces the weights provider's: a restarted replica then serves the
         checkpoint's weights under this label until the next push.
         """
-        self.run(self.aset_weight_version(version))
-
-    async def aset_weight_version(self, version: str | int) -> None:
-        """Async :meth:`set_weight_version`."""
-        await self.arun(self._label(str(version)))
-
-    async def _label(self, version: str) -> None:
-        self.pool.weight_version = version
+        self.pool.weight_version = str(version)
         self.pool.set_provider(None)
-        (await self.pool.call_all("set_weight_version", version)).check("set_weight_version")
+        out = await self.pool.call_all("set_weight_version", str(version))
+        out.check("set_weight_version")
+
+    set_weight_version, aset_weight_version = twins(_set_weight_version, owner=True)
 
     def weight_versions(self) -> dict[int, str]:
         """The version each ready replica reports serving."""
@@ -532,62 +524,25 @@ class VLLMService:
         """Drop every replica's prefix cache."""
         self._call_all("reset_prefix_cache")
 
-    # ------------------------------------------------------------------ TorchRL's engine
-    # TorchRL's RLvLLMEngine interface (torchrl.modules.llm.backends.vllm.base), so that
-    # vLLMUpdaterV2(service) pushes through a WeightSyncScheme the service makes on first
-    # use (transport "auto"; every push verified by value on the first one, versioned).
-    def get_tp_size(self) -> int:
-        """Tensor-parallel size of each replica."""
-        return self.config.tensor_parallel_size
-
-    def get_model_metadata(self) -> dict[str, tuple[Any, Any]]:
-        """``{name: (torch dtype, torch.Size)}`` of every tensor of the served checkpoint:
-        what a push must provide (tied LM heads are not in it)."""
-        return self._updates().metadata()
-
-    def get_master_address(self) -> str:
-        """This host's address, where a broadcast push's group has rank 0."""
-        return self._updates().master_address()
-
-    def get_master_port(self) -> int:
-        """The broadcast group's port once :meth:`init_weight_update_group` formed it; 0
-        before and with the storage transport (no group). Informational: the group picks
-        a free port itself at each change of members."""
-        return self._updates().master_port()
-
-    def init_weight_update_group(self) -> None:
-        """Make the scheme TorchRL's pushes go through and, for a broadcast, form its group
-        now (the first push then does not)."""
-        self._updates().connect()
-
-    def update_weights(self, weights) -> None:
-        """Push an iterator of ``(name, tensor)`` (the whole model, Hugging Face names) into
-        every replica as the next integer version, verified and versioned like any
-        :class:`~torchrl_vllm_ext.WeightSyncScheme` push; blocks until every replica
-        serves it. A partial iterator is refused (the replicas serve one whole version)."""
-        self._updates().update(weights)
-
-    def _updates(self):
-        if self._engine_updates is None:
-            # Named by path, as the replicas' extensions: the engine knows no transport.
-            if self.config.engine_updates_cls is None:
-                raise ConfigurationError(
-                    "this service was launched with engine_updates_cls=None: TorchRL's "
-                    "engine weight calls are off; push with a WeightSyncScheme instead."
-                )
-            self._engine_updates = load_class(self.config.engine_updates_cls)(self)
-        return self._engine_updates
-
     def set_weights_provider(self, provider: WeightsProvider | None) -> None:
         """Make ``provider`` bring restarted replicas to the live weights (None: nobody).
 
-        A weight-sync scheme sets itself after each push it completes.
+        A weight-sync scheme sets itself after each push it completes (on the owner).
         """
+        self._require_owner("set_weights_provider")
         self.pool.set_provider(provider)
 
     @property
     def weights_provider(self) -> WeightsProvider | None:
-        return self.pool.provider
+        return self.pool.provider if self.is_owner else None
+
+    def _require_owner(self, what: str) -> None:
+        if not self.is_owner:
+            raise ConfigurationError(
+                f"{what} needs the service's owner (the process that launched it); this is a "
+                "handle in another process: push with WeightSyncUpdater, vLLMUpdaterV2 or "
+                "service.update_weights (forwarded to the owner), or from the owner."
+            )
 
     def _call_all(self, method: str, *args) -> dict[int, Any]:
         """``method`` on every ready replica: {replica_id: answer} of those that answered;
@@ -621,7 +576,13 @@ class VLLMService:
         return coro
 
 
+add_deprecated_aliases(VLLMService)
 register_engine_if_loaded(VLLMService)
+
+
+def _attach(config: ServiceConfig, directory_actor, table, owner: str) -> VLLMService:
+    register_engine_if_loaded(VLLMService)
+    return handles.attach(VLLMService, config, directory_actor, table, owner)
 
 
 def _one_of(prompts, prompt_token_ids):
@@ -638,22 +599,6 @@ def _driver_imports() -> None:
     # importing one package at once can see it half initialised.
     vllm_engine_api()
     register_engine(VLLMService)  # TorchRL's engine ABC, for vLLMUpdaterV2(service)
-
-
-def _wants_flat(params) -> bool:
-    """Whether a request's sampling params ask for vLLM's ``FlatLogprobs``."""
-    if isinstance(params, dict):
-        return bool(params.get("flat_logprobs", False))
-    return bool(getattr(params, "flat_logprobs", False))
-
-
-def _renamed(old: str, new: str) -> None:
-    warnings.warn(
-        f"VLLMService.{old} is deprecated and will be removed in the next release; use {new} "
-        "(same arguments, same result).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
 
 
 __all__ = ["VLLMService"]

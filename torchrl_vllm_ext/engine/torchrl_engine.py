@@ -9,6 +9,12 @@ engines.
   registers the service as one. Importing TorchRL's module costs seconds (it imports
   vLLM), so the service registers in the background while its replicas start, and at
   once if TorchRL's module is already loaded.
+* TorchRL's code and tests call ``AsyncVLLM``'s engine methods (``get_tp_size``,
+  ``get_master_port``, ``update_weights``, ``engine_args``, ...):
+  :class:`TorchRLEngineCalls` holds them (the service's one base class: TorchRL's
+  interface, over the service's own parts). Weight calls go through a
+  ``WeightSyncScheme`` the service makes on first use (named by path: the engine layer
+  knows no transport).
 """
 
 from __future__ import annotations
@@ -18,10 +24,16 @@ import importlib
 import logging
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
-from torchrl_vllm_ext.errors import InvalidRequestError
+from torchrl_vllm_ext._compat import vllm_engine_api
+from torchrl_vllm_ext.batches import RequestBatch
+from torchrl_vllm_ext.engine.outputs import to_request_output
+from torchrl_vllm_ext.engine.owner import owner_only
+from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
+from torchrl_vllm_ext.protocol import load_class
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +110,91 @@ def lora_name(lora: str | None, lora_request) -> str | None:
     return name
 
 
+class TorchRLEngineCalls:
+    """TorchRL's ``RLvLLMEngine`` / ``AsyncVLLM`` engine calls of a service (its
+    ``config``, ``pool`` and owner rules), so that ``vLLMUpdaterV2(service)`` pushes
+    through a verified, versioned scheme and TorchRL's tests find what they read."""
+
+    @property
+    def engine_args(self):
+        """The replicas' ``vllm.AsyncEngineArgs`` (TorchRL's ``AsyncVLLM.engine_args``)."""
+        if self._engine_args is None:
+            cfg = self.config
+            self._engine_args = vllm_engine_api().AsyncEngineArgs(
+                model=cfg.model,
+                tensor_parallel_size=cfg.tensor_parallel_size,
+                pipeline_parallel_size=cfg.pipeline_parallel_size,
+                **cfg.engine_kwargs,
+            )
+        return self._engine_args
+
+    def get_tp_size(self) -> int:
+        """Tensor-parallel size of each replica."""
+        return self.config.tensor_parallel_size
+
+    @owner_only
+    def get_model_metadata(self) -> dict[str, tuple[Any, Any]]:
+        """``{name: (torch dtype, torch.Size)}`` of every tensor of the served checkpoint:
+        what a push must provide (tied LM heads are not in it)."""
+        return self._updates().metadata()
+
+    @owner_only
+    def get_master_address(self) -> str:
+        """This host's address, where a broadcast push's group has rank 0."""
+        return self._updates().master_address()
+
+    @owner_only
+    def get_master_port(self) -> int:
+        """The broadcast group's port once :meth:`init_weight_update_group` formed it;
+        before that (and with the storage transport) a port the service reserved at launch
+        and holds until it shuts down."""
+        updates = self._engine_updates
+        return (updates.master_port() if updates is not None else 0) or self._link.port.port
+
+    @owner_only
+    def init_weight_update_group(self) -> None:
+        """Make the scheme TorchRL's pushes go through and, for a broadcast, form its group
+        now (the first push then does not)."""
+        self._updates().connect()
+
+    @owner_only
+    def update_weights(self, weights) -> None:
+        """Push an iterator of ``(name, tensor)`` (the whole model, Hugging Face names) into
+        every replica as the next integer version, verified and versioned like any
+        :class:`~torchrl_vllm_ext.WeightSyncScheme` push; blocks until every replica
+        serves it. A partial iterator is refused (the replicas serve one whole version).
+        From a handle, the tensors travel to the owner, which pushes."""
+        self._updates().update(weights)
+
+    def _updates(self):
+        if self._engine_updates is None:
+            if self.config.engine_updates_cls is None:
+                raise ConfigurationError(
+                    "this service was launched with engine_updates_cls=None: TorchRL's "
+                    "engine weight calls are off; push with a WeightSyncScheme instead."
+                )
+            self._engine_updates = load_class(self.config.engine_updates_cls)(self)
+        return self._engine_updates
+
+
+def request_outputs(batch: RequestBatch, texts: list[str | None], params, name: str) -> list:
+    """vLLM ``RequestOutput``s of a batch, log-probs in the form each request asked for
+    (vLLM's default: a list of dicts; ``flat_logprobs=True``: ``FlatLogprobs``)."""
+    per_request = params if isinstance(params, list | tuple) else [params] * len(texts)
+    outputs = []
+    for i, (data, text, p) in enumerate(zip(batch.unpack(), texts, per_request, strict=True)):
+        out = to_request_output(data, f"{name}-{i}", _wants_flat(p))
+        out.prompt = text
+        outputs.append(out)
+    return outputs
+
+
+def _wants_flat(params) -> bool:
+    if isinstance(params, dict):
+        return bool(params.get("flat_logprobs", False))
+    return bool(getattr(params, "flat_logprobs", False))
+
+
 def register_engine(cls: type) -> bool:
     """Register ``cls`` as TorchRL's ``RLvLLMEngine`` (imports TorchRL's module); True once done."""
     try:
@@ -115,4 +212,11 @@ def register_engine_if_loaded(cls: type) -> None:
         register_engine(cls)
 
 
-__all__ = ["actor_style", "lora_name", "register_engine", "register_engine_if_loaded"]
+__all__ = [
+    "TorchRLEngineCalls",
+    "actor_style",
+    "lora_name",
+    "register_engine",
+    "register_engine_if_loaded",
+    "request_outputs",
+]
