@@ -23,8 +23,9 @@ import ray
 from torchrl_vllm_ext.engine import directory
 from torchrl_vllm_ext.engine.cluster import actor_cause
 from torchrl_vllm_ext.engine.handle_pool import HandlePool
+from torchrl_vllm_ext.engine.owner import FORWARDED
 from torchrl_vllm_ext.engine.ports import PortReservation
-from torchrl_vllm_ext.errors import ConfigurationError, ServiceClosedError
+from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError, ServiceClosedError
 
 
 class OwnerLink:
@@ -96,6 +97,8 @@ class HandleLink:
 
     def forward(self, name: str, args: tuple, kwargs: dict) -> Any:
         """Owner-only method ``name`` run by the owner; its answer or its error."""
+        if name == "update_weights":  # an iterator crosses as the list it yields
+            args = (list(args[0]), *args[1:])
         try:
             # In the object store, by reference: the directory only passes it on.
             call = [ray.put((name, args, kwargs))]
@@ -107,6 +110,17 @@ class HandleLink:
             raise ServiceClosedError(
                 f"service {self._name}: its owner shut it down or exited ({e})."
             ) from e
+
+
+def serve(service, kind: str, payload) -> Any:
+    """The owner's answer to a handle's request (on a mailbox thread): a death it saw goes
+    to the pool's death policy; a forwarded call runs if it is :data:`~.owner.FORWARDED`."""
+    if kind == "death":
+        return service.run(service.pool.report_death(*payload))
+    name, args, kwargs = ray.get(payload[0]) if kind == "call" else (kind, (), {})
+    if name not in FORWARDED:
+        raise InvalidRequestError(f"a service handle asked for {kind} {name!r}: not served.")
+    return getattr(service, name)(*args, **kwargs)
 
 
 def attach(cls: type, config, directory_actor, table, owner: str):
@@ -125,4 +139,4 @@ async def _watch(pool: HandlePool) -> None:
     pool.start_watching()
 
 
-__all__ = ["HandleLink", "OwnerLink", "attach"]
+__all__ = ["HandleLink", "OwnerLink", "attach", "serve"]

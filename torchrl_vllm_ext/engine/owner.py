@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 
@@ -40,6 +41,26 @@ def owner_only(fn: Callable) -> Callable:
         return self._forward(fn.__name__, args, kwargs)
 
     return method
+
+
+def delegate(cls: type, part: str, part_cls: type, names: list[str], owner: bool = False):
+    """Give ``cls`` each method or property ``name`` of its part ``self.<part>`` (an
+    instance of ``part_cls``), same name, same docstring: composition, one line per part.
+    With ``owner``, the methods are :func:`owner_only`."""
+    for name in names:
+        setattr(cls, name, _delegated(part_cls, part, name, owner))
+
+
+def _delegated(part_cls: type, part: str, name: str, owner: bool):
+    target = inspect.getattr_static(part_cls, name)
+    if isinstance(target, property):
+        return property(lambda self: getattr(getattr(self, part), name), doc=target.__doc__)
+
+    @functools.wraps(target)
+    def method(self, *args, **kwargs):
+        return getattr(getattr(self, part), name)(*args, **kwargs)
+
+    return owner_only(method) if owner else method
 
 
 def twins(work: Callable, owner: bool = False) -> tuple[Callable, Callable]:
@@ -98,4 +119,11 @@ def _alias(cls: type, old: str, new: str) -> Callable:
     return alias
 
 
-__all__ = ["DEPRECATED", "FORWARDED", "add_deprecated_aliases", "owner_only", "twins"]
+__all__ = [
+    "DEPRECATED",
+    "FORWARDED",
+    "add_deprecated_aliases",
+    "delegate",
+    "owner_only",
+    "twins",
+]

@@ -33,31 +33,45 @@ from torchrl_vllm_ext._compat import vllm_engine_api
 from torchrl_vllm_ext.batches import RequestBatch
 from torchrl_vllm_ext.engine import cluster, handles
 from torchrl_vllm_ext.engine.adapters import AdapterRegistry
-from torchrl_vllm_ext.engine.base import check_pause_mode
 from torchrl_vllm_ext.engine.config import ServiceConfig
+from torchrl_vllm_ext.engine.control import (
+    CONTROL,
+    FLEET_VIEW,
+    OWNER_CONTROL,
+    Control,
+    FleetView,
+)
 from torchrl_vllm_ext.engine.generation import Generation
 from torchrl_vllm_ext.engine.handle_pool import HandlePool
 from torchrl_vllm_ext.engine.loop import LoopThread
 from torchrl_vllm_ext.engine.lora_serving import LoraServing
-from torchrl_vllm_ext.engine.owner import FORWARDED, add_deprecated_aliases, owner_only, twins
-from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView, WeightsProvider
-from torchrl_vllm_ext.engine.prompt_forms import encode_texts, parse_prompts
+from torchrl_vllm_ext.engine.owner import (
+    add_deprecated_aliases,
+    delegate,
+    owner_only,
+    twins,
+)
+from torchrl_vllm_ext.engine.pool import ReplicaPool, WeightsProvider
+from torchrl_vllm_ext.engine.prompt_forms import encode_texts, one_of, parse_prompts
 from torchrl_vllm_ext.engine.torchrl_engine import (
-    TorchRLEngineCalls,
+    ENGINE_CALLS,
+    OWNER_ENGINE_CALLS,
+    TorchRLEngine,
     actor_style,
+    from_pretrained_kwargs,
     register_engine,
     register_engine_if_loaded,
     request_outputs,
 )
 from torchrl_vllm_ext.engine.torchrl_engine import lora_name as _lora_name
-from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError, ServiceClosedError
+from torchrl_vllm_ext.errors import ConfigurationError, ServiceClosedError
 from torchrl_vllm_ext.hf import load_tokenizer
-from torchrl_vllm_ext.messages import ReplicaDeath, ReplicaInfo, ReplicaStats, RequestData
+from torchrl_vllm_ext.messages import RequestData
 
 T = TypeVar("T")
 
 
-class VLLMService(TorchRLEngineCalls):
+class VLLMService:
     """vLLM v1 engine replicas as Ray actors behind one object.
 
     Use :meth:`launch` (or :meth:`from_config`); shut down with :meth:`shutdown` or a
@@ -87,8 +101,9 @@ class VLLMService(TorchRLEngineCalls):
         self._owns_ray = False
         self._closed = False
         self._tokenizer = None
-        self._engine_updates = None  # TorchRL's engine calls: a scheme made on first use
-        self._engine_args = None
+        self._view = FleetView(self.pool)
+        self._control = Control(self.pool, config, self.run)
+        self._torchrl = TorchRLEngine(self)
 
     @property
     def is_owner(self) -> bool:
@@ -124,6 +139,14 @@ class VLLMService(TorchRLEngineCalls):
         return cls.from_config(config)
 
     @classmethod
+    def from_pretrained(cls, model_name: str | Path, num_replicas: int = 1, **kwargs: Any):
+        """TorchRL's ``AsyncVLLM.from_pretrained(model_name, num_devices=None, num_replicas=1,
+        verbose=True, compile=True, enable_fp32_output=False, **engine_kwargs)``, same
+        keywords (see :func:`~.torchrl_engine.from_pretrained_kwargs`): the one line a
+        TorchRL script changes."""
+        return cls.launch(model_name, num_replicas, **from_pretrained_kwargs(**kwargs))
+
+    @classmethod
     def from_config(cls, config: ServiceConfig) -> VLLMService:
         """Start the replicas ``config`` describes and return the running service."""
         leftovers.reap()  # what killed services, schemes and replicas left on this host
@@ -133,7 +156,7 @@ class VLLMService(TorchRLEngineCalls):
             svc._owns_ray = cluster.ensure_ray(
                 config.ray_address, log_to_driver=config.log_file is None
             )
-            svc._link = handles.OwnerLink(svc.name, svc._serve)
+            svc._link = handles.OwnerLink(svc.name, functools.partial(handles.serve, svc))
             svc.pool.on_publish(svc._publish)
             svc._loop.run(svc._launch())
         except BaseException:
@@ -157,8 +180,7 @@ class VLLMService(TorchRLEngineCalls):
             return
         self._closed = True
         try:
-            if self._engine_updates is not None:
-                self._engine_updates.close()
+            self._torchrl.close()
             self._loop.run(self.pool.close(), timeout=300)
         finally:
             self._loop.close()
@@ -212,19 +234,8 @@ class VLLMService(TorchRLEngineCalls):
         """Call what :meth:`export` returned ``key`` for (from a handle: on the owner)."""
         return self._link.exported(key)(*args, **kwargs)
 
-    def _serve(self, kind: str, payload):
-        """A handle's request, on the owner (a mailbox thread)."""
-        if kind == "death":
-            return self.run(self.pool.report_death(*payload))
-        name, args, kwargs = ray.get(payload[0]) if kind == "call" else (kind, (), {})
-        if name not in FORWARDED:
-            raise InvalidRequestError(f"a service handle asked for {kind} {name!r}: not served.")
-        return getattr(self, name)(*args, **kwargs)
-
     def _forward(self, name: str, args: tuple, kwargs: dict):
         """Owner-only method ``name``, run by the owner (this is a handle)."""
-        if name == "update_weights":  # an iterator crosses as the list it yields
-            args = (list(args[0]), *args[1:])
         return self._link.forward(name, args, kwargs)
 
     # ------------------------------------------------------------------ generation
@@ -264,7 +275,7 @@ class VLLMService(TorchRLEngineCalls):
         written for a Ray actor (TorchRL's ``vLLMWrapper``) takes the service.
         """
         encode = functools.partial(self._encode, tokenization_kwargs=tokenization_kwargs)
-        parsed = parse_prompts(_one_of(prompts, prompt_token_ids), encode)
+        parsed = parse_prompts(one_of(prompts, prompt_token_ids), encode)
         batch = await self._generation.run(
             parsed.token_ids, sampling_params, timeout, routing, _lora_name(lora, lora_request)
         )
@@ -360,169 +371,18 @@ class VLLMService(TorchRLEngineCalls):
         """Live adapters: name -> vLLM id."""
         return {a.name: a.lora_id for a in self._adapters.live()}
 
-    # ------------------------------------------------------------------ replicas
-    def replicas(self) -> tuple[ReplicaView, ...]:
-        """The ready replicas (id, actor handle, info): one consistent snapshot."""
-        return self.pool.ready()
-
-    @property
-    def actors(self) -> list:
-        """The ready replicas' Ray actor handles, by replica id (TorchRL's
-        ``AsyncVLLM.actors``: ``get_tokenizer``, ``collective_rpc_v1``, ``sleep``, ...)."""
-        return [v.handle for v in self.pool.ready()]
-
-    @property
-    def replica_ids(self) -> list[int]:
-        """Ids of the replicas that are ready to serve."""
-        return [v.replica_id for v in self.pool.ready()]
-
-    @property
-    def num_replicas(self) -> int:
-        """How many replicas are ready to serve."""
-        return len(self.pool.ready())
-
-    def replica_handle(self, replica_id: int):
-        """The Ray actor handle of a ready replica (for weight-sync transports)."""
-        return self.pool.view(replica_id).handle
-
-    def replica_info(self, replica_id: int) -> ReplicaInfo:
-        """What a ready replica reported at start (pid, node, limits)."""
-        return self.pool.view(replica_id).info
-
-    def replica_states(self) -> dict[int, str]:
-        """Every replica the service holds: ``starting``, ``ready``, ``draining`` or ``dead``."""
-        return {rid: state.value for rid, state in self.pool.states().items()}
-
-    def deaths(self) -> list[ReplicaDeath]:
-        """Every replica death the service noticed, oldest first (each is then restarted)."""
-        return self.pool.deaths()
-
-    @property
-    def max_token_id(self) -> int | None:
-        """Largest token id the engines accept (None before the first replica started)."""
-        limits = self.pool.limits
-        return limits.max_token_id if limits else None
-
-    @property
-    def max_model_len(self) -> int | None:
-        """Longest prompt + completion the engines accept (None before the first replica started)."""
-        limits = self.pool.limits
-        return limits.max_model_len if limits else None
-
-    @property
-    def uses_gpu(self) -> bool:
-        """Whether the replicas run on GPUs."""
-        return self.pool.uses_gpu
-
-    @owner_only
-    def add_replicas(self, k: int) -> list[int]:
-        """Start ``k`` more replicas while serving; returns their ids."""
-        if not isinstance(k, int) or k < 1:
-            raise ConfigurationError(f"add_replicas(k={k!r}): k must be an integer >= 1.")
-        return self.run(self.pool.start(k, f"adding {k} vLLM replica(s)"))
-
-    @owner_only
-    def remove_replicas(self, k: int, drain_timeout: float = 600.0) -> list[int]:
-        """Remove ``k`` replicas while serving: they take no new work, finish what they have, stop."""
-        ready = self.num_replicas
-        if not isinstance(k, int) or k < 1 or k >= ready:
-            raise ConfigurationError(
-                f"remove_replicas(k={k!r}) with {ready} ready replicas: k must be between 1 "
-                f"and {ready - 1} (at least one replica keeps serving); use shutdown() to stop all."
-            )
-        return self.run(self.pool.remove(k, drain_timeout))
-
-    @owner_only
-    def check_health(self) -> dict[int, bool]:
-        """Ping every ready replica now; dead ones are restarted. Returns {replica_id: healthy}."""
-        return self.run(self.pool.check_health())
-
-    # ------------------------------------------------------------------ control
-    def stats(self) -> list[ReplicaStats]:
-        """Each ready replica's load, read from vLLM (a replica dying meanwhile is left out)."""
-        out = self.run(self.pool.call_all("stats"))
-        out.check("stats")
-        return [out.results[rid] for rid in sorted(out.results)]
-
-    @owner_only
-    def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """Pause generation on every replica (vLLM modes: ``abort``, ``wait``, ``keep``).
-
-        A replica restarted while paused comes back paused.
-        """
-        check_pause_mode(mode)
-        self.pool.serving = self.pool.serving.paused_as(mode, clear_cache)
-        self._call_all("pause", mode, clear_cache)
-
-    @owner_only
-    def resume(self) -> None:
-        """Resume generation on every replica after :meth:`pause` (a sleeping service
-        resumes once it is awake). A push made meanwhile is value-checked now: a
-        replica that fails the check is restarted and :class:`WeightSyncError` names it."""
-        self.pool.serving = self.pool.serving.resumed()
-        self._call_all("resume")
-        self.run(self.pool.serving_again())
-
-    @owner_only
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """Free the replicas' GPU memory for a colocated trainer (vLLM sleep mode).
-
-        Level 1 offloads the weights to host memory and drops the KV cache; level 2 drops
-        both: wake the weights, push, then wake the cache (:meth:`wake_up`). Requests sent
-        meanwhile wait. A push while the weights sleep is refused; a replica restarted
-        meanwhile comes back asleep. Needs GPU replicas launched with
-        ``enable_sleep_mode=True``.
-        """
-        check_pause_mode(mode)
-        state = self.pool.serving.slept(level)
-        if not (self.uses_gpu and self.config.engine_kwargs.get("enable_sleep_mode")):
-            raise ConfigurationError(
-                "sleep() needs GPU replicas launched with enable_sleep_mode=True "
-                f"(uses_gpu={self.uses_gpu}, enable_sleep_mode="
-                f"{self.config.engine_kwargs.get('enable_sleep_mode', False)}); vLLM-CPU has "
-                "no sleep mode."
-            )
-        self.pool.serving = state
-        self._call_all("sleep", level, mode)
-
-    @owner_only
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake the replicas: everything, or only ``tags`` (``["weights"]``, then
-        ``["kv_cache"]`` after a push at sleep level 2). A push made while the cache slept
-        is value-checked once everything is awake (see :meth:`resume`)."""
-        self.pool.serving = self.pool.serving.woke(tags)
-        self._call_all("wake_up", tags)
-        self.run(self.pool.serving_again())
-
-    def is_sleeping(self) -> dict[int, bool]:
-        """Whether each ready replica sleeps (at all, or in part)."""
-        return self._call_all("is_sleeping")
-
-    @property
-    def weight_version(self) -> str:
-        """The version every replica serves and restarted replicas are brought to."""
-        return self.pool.weight_version
-
+    # ------------------------------------------------------------------ replicas and control
+    # FleetView (snapshot readers), Control (calls on every replica) and TorchRLEngine
+    # (AsyncVLLM's engine calls) are parts: their methods are the service's (see below).
     async def _set_weight_version(self, version: str | int) -> None:
         """Label every replica's weights with ``version`` (restarted replicas get the label).
 
         The label replaces the weights provider's: a restarted replica then serves the
         checkpoint's weights under this label until the next push.
         """
-        self.pool.weight_version = str(version)
-        self.pool.set_provider(None)
-        out = await self.pool.call_all("set_weight_version", str(version))
-        out.check("set_weight_version")
+        await self._control.label(version)
 
     set_weight_version, aset_weight_version = twins(_set_weight_version, owner=True)
-
-    def weight_versions(self) -> dict[int, str]:
-        """The version each ready replica reports serving."""
-        return self._call_all("get_weight_version")
-
-    def reset_prefix_cache(self) -> None:
-        """Drop every replica's prefix cache."""
-        self._call_all("reset_prefix_cache")
 
     def set_weights_provider(self, provider: WeightsProvider | None) -> None:
         """Make ``provider`` bring restarted replicas to the live weights (None: nobody).
@@ -534,7 +394,7 @@ class VLLMService(TorchRLEngineCalls):
 
     @property
     def weights_provider(self) -> WeightsProvider | None:
-        return self.pool.provider if self.is_owner else None
+        return self.pool.provider
 
     def _require_owner(self, what: str) -> None:
         if not self.is_owner:
@@ -543,13 +403,6 @@ class VLLMService(TorchRLEngineCalls):
                 "handle in another process: push with WeightSyncUpdater, vLLMUpdaterV2 or "
                 "service.update_weights (forwarded to the owner), or from the owner."
             )
-
-    def _call_all(self, method: str, *args) -> dict[int, Any]:
-        """``method`` on every ready replica: {replica_id: answer} of those that answered;
-        a typed error if one failed, or if every one died."""
-        out = self.run(self.pool.call_all(method, *args))
-        out.check(method)
-        return dict(sorted(out.results.items()))
 
     # ------------------------------------------------------------------ the event loop
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -576,6 +429,11 @@ class VLLMService(TorchRLEngineCalls):
         return coro
 
 
+delegate(VLLMService, "_view", FleetView, FLEET_VIEW)
+delegate(VLLMService, "_control", Control, CONTROL)
+delegate(VLLMService, "_control", Control, OWNER_CONTROL, owner=True)
+delegate(VLLMService, "_torchrl", TorchRLEngine, ENGINE_CALLS)
+delegate(VLLMService, "_torchrl", TorchRLEngine, OWNER_ENGINE_CALLS, owner=True)
 add_deprecated_aliases(VLLMService)
 register_engine_if_loaded(VLLMService)
 
@@ -583,15 +441,6 @@ register_engine_if_loaded(VLLMService)
 def _attach(config: ServiceConfig, directory_actor, table, owner: str) -> VLLMService:
     register_engine_if_loaded(VLLMService)
     return handles.attach(VLLMService, config, directory_actor, table, owner)
-
-
-def _one_of(prompts, prompt_token_ids):
-    if (prompts is None) == (prompt_token_ids is None):
-        raise InvalidRequestError(
-            "generate() takes the prompts once: pass prompts (any vLLM form) or "
-            "prompt_token_ids=, not both and not neither."
-        )
-    return prompts if prompts is not None else prompt_token_ids
 
 
 def _driver_imports() -> None:
