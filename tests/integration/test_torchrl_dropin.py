@@ -29,6 +29,7 @@ from vllm import SamplingParams
 from vllm.inputs import TextPrompt, TokensPrompt
 
 from torchrl_vllm_ext import (
+    ServiceSyncScheme,
     TokenCountEnv,
     VLLMPolicy,
     WeightSyncError,
@@ -257,6 +258,19 @@ class _HandleHolder:
         return list(out.token_ids)
 
 
+@ray.remote(num_cpus=0.1)
+def _grpo_push(policy, collector, model) -> str:
+    """grpo-sync.py's weight sync in its train actor, with ServiceSyncScheme in place of
+    TorchRL's VLLMWeightSyncScheme."""
+    engine = policy.model
+    sender = ServiceSyncScheme(engine).create_sender()
+    sender.register_model(model)
+    sender.init_all_workers_group({}, vllm_engine=engine)
+    sender.register_collector(collector)
+    sender.update_weights()
+    return engine.weight_version
+
+
 def _rows(td) -> list:
     """Every element of ``td``, whatever its batch dims."""
     return [r for t in td.unbind(0) for r in (_rows(t) if t.batch_dims else [t])]
@@ -334,6 +348,13 @@ def test_ray_llm_collector_ships_the_service(engine, tokenizer, trainer):
             ids, lps = row.get(("tokens", "full")), row.get(("log_probs", "response"))
             expected = hf_token_logprobs(trainer, ids.tolist())[-len(lps) :]
             torch.testing.assert_close(lps.float(), expected, atol=1e-4, rtol=0)
+        # TorchRL's sota GRPO push, from its Ray-remote train loop: a sender over the
+        # service (handle) with the collector registered.
+        perturb(trainer, seed=51)
+        policy = vLLMWrapper(engine, input_mode="tokens")
+        assert ray.get(_grpo_push.remote(policy, collector, trainer)) == "2"
+        assert collector.policy_version == 2 and engine.weight_version == "2"
+        assert_replicas_match(engine, trainer, "2")
     finally:
         collector.shutdown()
         scheme.close()
