@@ -37,7 +37,8 @@ class OwnerLink:
     """
 
     def __init__(self, name: str, serve: Callable[[str, Any], Any]):
-        self.port = PortReservation()
+        # On this node's Ray address (TorchRL's master address), not every interface.
+        self.port = PortReservation(ray.util.get_node_ip_address())
         self.directory = directory.start_directory(name)
         self._seq = itertools.count(1)
         self._exports: dict[str, weakref.WeakMethod] = {}

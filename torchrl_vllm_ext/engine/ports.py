@@ -16,7 +16,7 @@ class PortReservation:
         >>> port.close()
     """
 
-    def __init__(self, host: str = ""):
+    def __init__(self, host: str = "127.0.0.1"):
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind((host, 0))
         self.port: int = self._sock.getsockname()[1]
