@@ -60,4 +60,5 @@ def test_async_engine_replica_gives_the_in_process_replicas_tokens_and_logprobs(
         assert a.samples[0].token_ids.tolist() == b.samples[0].token_ids.tolist()
         np.testing.assert_allclose(a.samples[0].logprobs, b.samples[0].logprobs, atol=1e-4)
         np.testing.assert_allclose(a.prompt_logprobs, b.prompt_logprobs, atol=1e-4)
-        assert a.samples[0].finish_reason == b.samples[0].finish_reason == "length"
+        # (the tiny model may sample its EOS, <|endoftext|>: "stop" on both, then)
+        assert a.samples[0].finish_reason == b.samples[0].finish_reason
