@@ -94,7 +94,7 @@ def verify_cost(svc, trainer, transport: str, repeats: int) -> dict:
                 report = scheme.push(trainer, version=f"verify-{transport}-{i}-{verify}")
                 times[verify].append(report.seconds)
                 if verify:
-                    assert max(report.probe_gap.values()) <= scheme.verify_tol
+                    assert max(report.probe_gap.values()) <= report.probe_limit
                     for k, v in report.phases.items():
                         phases.setdefault(k, []).append(v)
     on, off = statistics.median(times[True]), statistics.median(times[False])

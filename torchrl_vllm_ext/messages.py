@@ -71,6 +71,8 @@ class ReplicaInfo:
     """Largest token id the engine accepts (max of tokenizer and model vocabularies)."""
     kv_capacity_tokens: int
     """Tokens the KV cache holds (blocks x block size)."""
+    dtype: str = ""
+    """The dtype the engine serves the weights in (``bfloat16``, ...; empty: not reported)."""
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,7 @@ class VLLMReplica:
             max_model_len=limits.max_model_len,
             max_token_id=limits.max_token_id,
             kv_capacity_tokens=limits.kv_capacity_tokens,
+            dtype=limits.dtype,
         )
         logger.info("replica %d ready: %s", self.replica_id, info)
         return info
