@@ -97,6 +97,8 @@ def run_one(row: str, dtype: str, pushes: int, step: float, root: Path) -> dict:
         root / row, arch=spec.arch, tie_word_embeddings=spec.tie, seed=1, layout=spec.layout
     )
     trainer = load_trainer(path)
+    # A bfloat16 trainer as one is loaded (its rotary frequencies stay float32).
+    trainer16 = load_trainer(path, dtype=torch.bfloat16)
     base = {n: p.detach().clone() for n, p in trainer.named_parameters()}
     kinds = kinds_of(expected_specs(path))
     pushes_planned = plan(kinds, pushes)
@@ -114,16 +116,19 @@ def run_one(row: str, dtype: str, pushes: int, step: float, root: Path) -> dict:
         health_check_interval=0,
     ) as svc:
         start_s = time.perf_counter() - t0
-        with WeightSyncScheme(
-            svc, transport="storage", verify="always", verify_tol=UNREACHABLE
-        ) as scheme:
+        # One scheme per trainer dtype: storage slots keep the dtypes they were made for.
+        options = {"transport": "storage", "verify": "always", "verify_tol": UNREACHABLE}
+        with (
+            WeightSyncScheme(svc, **options) as scheme32,
+            WeightSyncScheme(svc, **options) as scheme16,
+        ):
             for i, (version, what, skipped) in enumerate(pushes_planned):
                 set_weights(trainer, base, step, seed=1000 + i)
-                weights = trainer
+                weights, scheme = trainer, scheme32
                 if what == "correct_bf16_trainer":
-                    weights = trainer.to(torch.bfloat16)
+                    set_weights(trainer16, base, step, seed=1000 + i)
+                    weights, scheme = trainer16, scheme16
                 report = scheme.push(weights, version=version)
-                trainer.to(torch.float32)  # (the next push's weights are set from base)
                 gap = max(report.probe_gap.values())
                 noise = report.probe_noise
                 rows.append(

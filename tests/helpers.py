@@ -61,16 +61,16 @@ def launch(model, num_replicas: int = NUM_REPLICAS, **kwargs) -> VLLMService:
     return VLLMService.launch(model, num_replicas=num_replicas, **options)
 
 
-def load_trainer(model_dir):
-    """The model in transformers, fp32, eval, with the attention vLLM computes (eager
-    where sdpa would drop Gemma 2's soft-capping)."""
+def load_trainer(model_dir, dtype=torch.float32):
+    """The model in transformers, fp32 unless ``dtype``, eval, with the attention vLLM
+    computes (eager where sdpa would drop Gemma 2's soft-capping)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from torchrl_vllm_ext.weight_sync.verify import reference_attention
 
     config = AutoConfig.from_pretrained(model_dir)
     return AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, **reference_attention(config)
+        model_dir, dtype=dtype, **reference_attention(config)
     ).eval()
 
 

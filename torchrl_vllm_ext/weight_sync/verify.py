@@ -152,15 +152,23 @@ def reference(model: nn.Module, ids: list[int], dtype: str) -> Reference:
 def plain_causal_lm(weights) -> bool:
     """Whether the pushed object's own forward computes what the engine serves: a module
     with no forward hook anywhere (a hook that masks logits, as the demo's
-    ``restrict_vocabulary`` does, changes the function, not the weights). Anything else (a
-    hooked model, a state dict) is scored by the :class:`ReferenceModel` with the pushed
-    tensors.
+    ``restrict_vocabulary`` does, changes the function, not the weights) and no 16-bit
+    floating-point buffer (``model.to(torch.bfloat16)`` rounds the rotary frequencies,
+    which ``from_pretrained(dtype=...)`` and vLLM keep in float32: 7e-4 of mean log-prob
+    gap on a tiny Qwen3, most of float32's limit). Anything else (a hooked or cast model,
+    a state dict) is scored by the :class:`ReferenceModel` with the pushed tensors.
 
     Examples:
         >>> plain_causal_lm({"w": torch.zeros(1)}), plain_causal_lm(nn.Linear(1, 1))
         (False, True)
+        >>> cast = nn.Linear(1, 1)
+        >>> cast.register_buffer("inv_freq", torch.ones(1, dtype=torch.bfloat16))
+        >>> plain_causal_lm(cast)
+        False
     """
     if not isinstance(weights, nn.Module) or not callable(getattr(weights, "forward", None)):
+        return False
+    if any(b.is_floating_point() and b.itemsize < 4 for b in weights.buffers()):
         return False
     return not any(m._forward_hooks or m._forward_pre_hooks for m in weights.modules())
 
