@@ -12,10 +12,14 @@ N(0, 1) on every parameter: a step the size of the tests' ``perturb``), then:
   of the load with the workers' test hook (``TORCHRL_VLLM_TEST_SKIP_LOAD``), so the
   replica keeps that tensor's previous value; a push the check passes is a *miss*.
 
-The scheme runs with ``verify_tol`` out of reach so that no push restarts the replica;
-the decision is then applied to what the scheme reported, exactly as the scheme applies
-it (:attr:`~torchrl_vllm_ext.weight_sync.verify.Reference.limit` from
-``SyncReport.probe_noise``), and also at other margins (``gap / noise`` is recorded).
+Correct pushes run the scheme's own check with ``verify_tol`` out of reach, so that no push
+restarts the replica; wrong pushes are pushed unchecked and then checked the way the
+scheme checks (the same :func:`~torchrl_vllm_ext.weight_sync.verify.reference`, replica
+probe and mean gap), since a wrong push may leave NaN in the served weights (vLLM's
+layerwise reload of MoE models leaves a tensor it was not given uninitialised), which no
+limit passes. The decision is then applied as the scheme applies it
+(:attr:`~torchrl_vllm_ext.weight_sync.verify.Reference.limit`), and also at other
+margins (``gap / noise`` is recorded).
 
     python benchmarks/bench_verify.py [--families qwen3 phi3] [--dtypes bfloat16 float32]
         [--pushes 20] [--step 0.05] [--out results.json]
@@ -90,7 +94,7 @@ def run_one(row: str, dtype: str, pushes: int, step: float, root: Path) -> dict:
     from torchrl_vllm_ext.protocol import TEST_SKIP_LOAD_ENV
     from torchrl_vllm_ext.testing import make_tiny_model
     from torchrl_vllm_ext.weight_sync.params import expected_specs
-    from torchrl_vllm_ext.weight_sync.verify import NOISE_MARGIN, TOLERANCE
+    from torchrl_vllm_ext.weight_sync.verify import Reference, mean_gap, probe_ids, reference
 
     spec = FAMILY_MATRIX[row]
     path = make_tiny_model(
@@ -118,6 +122,7 @@ def run_one(row: str, dtype: str, pushes: int, step: float, root: Path) -> dict:
         start_s = time.perf_counter() - t0
         # One scheme per trainer dtype: storage slots keep the dtypes they were made for.
         options = {"transport": "storage", "verify": "always", "verify_tol": UNREACHABLE}
+        ids = probe_ids(path)
         with (
             WeightSyncScheme(svc, **options) as scheme32,
             WeightSyncScheme(svc, **options) as scheme16,
@@ -128,17 +133,19 @@ def run_one(row: str, dtype: str, pushes: int, step: float, root: Path) -> dict:
                 if what == "correct_bf16_trainer":
                     set_weights(trainer16, base, step, seed=1000 + i)
                     weights, scheme = trainer16, scheme16
-                report = scheme.push(weights, version=version)
-                gap = max(report.probe_gap.values())
-                noise = report.probe_noise
+                if skipped is None:
+                    report = scheme.push(weights, version=version)
+                    gap, noise = max(report.probe_gap.values()), report.probe_noise
+                else:  # checked here: a NaN would restart the replica
+                    scheme.verify = "never"
+                    scheme.push(weights, version=version)
+                    scheme.verify = "always"
+                    expected = reference(trainer, ids, dtype)
+                    (got,) = svc.run(svc.pool.call_all("probe_logprobs", ids)).results.values()
+                    gap, noise = mean_gap(expected.logprobs, got), expected.noise
+                limit = Reference([], noise, dtype).limit  # what the scheme allows
                 rows.append(
-                    {
-                        "what": what,
-                        "tensor": skipped,
-                        "gap": gap,
-                        "noise": noise,
-                        "limit": max(TOLERANCE, NOISE_MARGIN * noise),
-                    }
+                    {"what": what, "tensor": skipped, "gap": gap, "noise": noise, "limit": limit}
                 )
     os.environ.pop(TEST_SKIP_LOAD_ENV, None)
     return summarize(row, dtype, rows, start_s, time.perf_counter() - t0)
@@ -160,8 +167,9 @@ def summarize(row: str, dtype: str, rows: list[dict], start_s: float, total_s: f
         "false_refusals": sum(refused(r) for r in correct),
         "correct_gap_median": statistics.median(r["gap"] for r in correct),
         "correct_gap_max": max(r["gap"] for r in correct),
+        "wrong_nan": sum(r["gap"] != r["gap"] for r in wrong),
         "noise_median": statistics.median(r["noise"] for r in correct),
-        "caught": {},
+        "caught": {},  # a NaN gap counts as caught (no limit passes it)
         "pushes": {},
         "misses": [],
         "start_s": round(start_s, 1),
@@ -184,6 +192,7 @@ def summarize(row: str, dtype: str, rows: list[dict], start_s: float, total_s: f
         ]
     for kind in KINDS:
         mine = [r["gap"] for r in wrong if r["what"] == kind]
+        mine = [g for g in mine if g == g]  # NaN: caught whatever the limit
         out.setdefault("wrong_gap_min", {})[kind] = min(mine) if mine else None
     return out
 
