@@ -41,8 +41,8 @@ TOLERANCE = 1e-3
 """Mean |log-prob gap| a replica may always show (the whole limit for float32 replicas)."""
 NOISE_MARGIN = 3.0
 """A 16-bit replica's limit is this many times the push's noise (:class:`Reference`),
-chosen from the largest gap / noise of correct pushes over every family, with room for
-kernels not measured (docs/models.md, ``benchmarks/bench_verify.py``)."""
+chosen from the largest gap / noise of correct pushes over every family, MoE rows the
+worst (docs/models.md, ``benchmarks/bench_verify.py``)."""
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
