@@ -472,7 +472,9 @@ class WeightSyncScheme:
                     )
                 continue
             gap = mean_gap(expected.logprobs, probes.results[rid])
-            result = ProbeResult(rid, gap, self._limit(expected), expected.noise)
+            # The noise is named in a refusal only where the limit was derived from it.
+            noise = expected.noise if self.verify_tol is None else 0.0
+            result = ProbeResult(rid, gap, self._limit(expected), noise)
             loaded.results[rid]["probe_gap"] = result.gap
             if not result.ok:
                 error = result.error(version)
