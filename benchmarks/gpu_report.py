@@ -1,6 +1,6 @@
 """Run the GPU tier and bench_sync on a GPU machine and write what they showed: docs/gpu.md.
 
-    python benchmarks/gpu_report.py [--out DIR] [--timeout 1500]
+    python benchmarks/gpu_report.py [--out DIR] [--timeout 1500] [-k EXPR] [--no-bench]
 
 Writes ``DIR/gpu.md`` (default: the repository's ``docs/``) and ``DIR/gpu.json``: the
 device, the vLLM / torch / CUDA versions, the date and commit, each ``tests/gpu`` test's
@@ -42,8 +42,9 @@ def versions() -> dict:
     return out
 
 
-def run_tests(timeout_s: int) -> list[dict]:
-    """Each tests/gpu test: name, outcome, seconds, message."""
+def run_tests(timeout_s: int, select: str | None = None) -> list[dict]:
+    """Each tests/gpu test (those ``select``, a pytest ``-k`` expression, picks): name,
+    outcome, seconds, message."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "gpu.xml"
         subprocess.run(
@@ -56,7 +57,8 @@ def run_tests(timeout_s: int) -> list[dict]:
                 "-p",
                 "no:cacheprovider",
                 "-k",
-                "not bench_sync",  # run below, once, for its figures
+                # bench_sync runs below, once, for its figures
+                f"({select}) and not bench_sync" if select else "not bench_sync",
                 f"--junitxml={junit}",
                 "-o",
                 f"timeout={timeout_s}",
@@ -101,7 +103,8 @@ HOW_TO_RUN = """
 To run it again on a GPU machine with the package's dependencies installed (`./run.sh
 setup` picks the `gpu` extra where `nvidia-smi` sees a GPU; vLLM 0.26-0.33):
 `python benchmarks/gpu_report.py --out DIR` (~15 min on one H100: replica starts are
-~80 s each), then copy `DIR/gpu.md` over `docs/gpu.md`. Exit 1 when a test failed."""
+~80 s each; `-k EXPR` and `--no-bench` run a part), then copy `DIR/gpu.md` over
+`docs/gpu.md`. Exit 1 when a test failed."""
 
 
 def render(run: dict) -> str:
@@ -129,8 +132,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=ROOT / "docs")
     parser.add_argument("--timeout", type=int, default=1500, help="per test, seconds")
+    parser.add_argument(
+        "-k",
+        dest="select",
+        help="run only the tests/gpu tests this pytest -k expression picks (a lease too "
+        "short for the whole tier: ~15 min on one H100)",
+    )
+    parser.add_argument("--no-bench", action="store_true", help="skip bench_sync")
     args = parser.parse_args()
-    run = {"versions": versions(), "tests": run_tests(args.timeout), "bench": run_bench()}
+    run = {
+        "versions": versions(),
+        "tests": run_tests(args.timeout, args.select),
+        "bench": {"skipped": "--no-bench"} if args.no_bench else run_bench(),
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu.json").write_text(json.dumps(run, indent=2) + "\n")
     (args.out / "gpu.md").write_text(render(run))

@@ -405,6 +405,7 @@ svc = VLLMService.launch(model, num_replicas=1, cpus_per_replica=0.5,
 import ray
 from ray._private import worker
 info = {"driver": os.getpid(), "replicas": [r.info.pid for r in svc.replicas()],
+        "temps": [r.info.temp_dir for r in svc.replicas()],
         "session": worker._global_node.get_session_dir_path()}
 scheme = WeightSyncScheme(svc, transport="storage")
 trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -427,7 +428,7 @@ print(json.dumps(info), flush=True)
 """A trainer that launches its own service (and Ray), pushes twice through storage, then
 (mode ``close``) pushes two adapter versions and closes everything, or (mode ``kill``)
 prints what it made and waits to be SIGKILLed. Last stdout line: JSON of its pids, Ray
-session directory and the directories it made."""
+session directory, its replicas' temporary directories and the directories it made."""
 
 
 def trainer_env(tag: str) -> dict:

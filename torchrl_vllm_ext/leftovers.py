@@ -59,9 +59,13 @@ def shm_base() -> Path:
 
 
 def process_start(pid: int) -> float | None:
-    """The start time (epoch seconds) of process ``pid``; None if there is none."""
+    """The start time (epoch seconds) of process ``pid``; None if there is none (or only
+    its zombie: a killed replica waits as one until its parent reaps it)."""
     try:
-        return psutil.Process(pid).create_time()
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc.create_time()
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return None
     except psutil.AccessDenied:  # alive, someone else's: report it as running now
@@ -132,6 +136,27 @@ def remove_owned(path: str | Path) -> None:
             logger.debug("not removing %s: owned by %s", path, owner)
         return
     shutil.rmtree(path, ignore_errors=True)
+
+
+def adopt_tempdir(prefix: str) -> Path:
+    """Make a new owned directory (:func:`owned_dir`) this process's temporary directory
+    (``TMPDIR`` and :mod:`tempfile`'s, inherited by the processes it starts); returns it.
+
+    For a replica process, which Ray kills: what vLLM puts in the temporary directory (its
+    process group's file-store rendezvous ``vllm_dist_*``, an engine-core process's ZMQ
+    sockets) would otherwise outlive a killed replica with no owner to tell. Here it goes
+    with the directory: removed by its owner, or by the next :func:`reap` once the owner
+    is dead. Torch's compile cache stays where it was (shared by every start).
+    """
+    # NOTE: torch resolves its inductor cache under the temporary directory, once; resolved
+    # now, it keeps the machine-wide cache instead of one that dies with this process.
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache_dir()
+    path = owned_dir(prefix)
+    os.environ["TMPDIR"] = str(path)
+    tempfile.tempdir = str(path)
+    return path
 
 
 def remove_at_exit(obj: object, path: str | Path) -> weakref.finalize:
@@ -240,6 +265,7 @@ __all__ = [
     "PREFIX",
     "Leftover",
     "Owner",
+    "adopt_tempdir",
     "leftovers",
     "mark",
     "owned_dir",

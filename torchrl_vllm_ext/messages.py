@@ -71,6 +71,10 @@ class ReplicaInfo:
     """Largest token id the engine accepts (max of tokenizer and model vocabularies)."""
     kv_capacity_tokens: int
     """Tokens the KV cache holds (blocks x block size)."""
+    temp_dir: str = ""
+    """The replica process's temporary directory on its node (vLLM's rendezvous file and
+    sockets; removed at shutdown, or reaped by the next start there once the process is
+    dead)."""
     dtype: str = ""
     """The dtype the engine serves the weights in (``bfloat16``, ...; empty: not reported)."""
 

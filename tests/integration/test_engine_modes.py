@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import os
+import stat
+
 import numpy as np
 import psutil
 import ray
 
-from torchrl_vllm_ext import VLLMService
+from torchrl_vllm_ext import VLLMService, leftovers
 
 from ..helpers import CPUS_PER_REPLICA, ENGINE_KWARGS
 
@@ -41,6 +44,15 @@ def test_async_engine_replica_gives_the_in_process_replicas_tokens_and_logprobs(
     ) as svc:
         assert len(engine_children(svc)) == 1, "AsyncLLM runs an engine-core process"
         separate = svc.generate_request_data(PROMPTS, PARAMS)
+        # The client's ZMQ sockets and the engine core's rendezvous file live in the
+        # replica's own temporary directory, not in the machine's (a killed replica's
+        # directory is reaped by the next start)...
+        temp_dir = svc.replica_info(svc.replica_ids[0]).temp_dir
+        made = [n for n in os.listdir(temp_dir) if n != leftovers.OWNER_FILE]
+        assert any(n.startswith("vllm_dist_") for n in made), made
+        assert any(stat.S_ISSOCK(os.stat(os.path.join(temp_dir, n)).st_mode) for n in made)
+    # ... which its shutdown removes.
+    assert not os.path.exists(temp_dir)
 
     # Same tokens; log-probs within the suite's exactness bound (fp32: the two engines
     # run different OpenMP thread counts, so reductions differ in order: 1.2e-5 seen).

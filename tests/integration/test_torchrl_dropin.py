@@ -1,7 +1,9 @@
 """TorchRL's own engine seams take our objects: ``vLLMWrapper(service)`` generates through
 the service, ``vLLMUpdaterV2(service)`` and TorchRL's collectors push through our verified
 scheme, a ``TransformersWrapper`` and a PEFT model are pushed as what they compute, and
-``service.generate`` takes every prompt form ``vllm.LLM.generate`` takes.
+``service.generate`` takes every prompt form ``vllm.LLM.generate`` takes. Shipped into Ray
+processes (TorchRL's ``RayLLMCollector``, Ray tasks), the service is a handle to the same
+replicas: same tokens and log-probs, the owner's versions and deaths, pushes forwarded.
 
 One replica of its own (pushes change its weights), shared by the module's tests.
 """
@@ -9,13 +11,15 @@ One replica of its own (pushes change its weights), shared by the module's tests
 from __future__ import annotations
 
 import copy
+import functools
+import pickle
 
 import pytest
 import ray
 import torch
 from tensordict import TensorDict, lazy_stack
 from torchrl.collectors import Collector
-from torchrl.collectors.llm import LLMCollector, vLLMUpdaterV2
+from torchrl.collectors.llm import LLMCollector, RayLLMCollector, vLLMUpdaterV2
 from torchrl.data.llm import History
 from torchrl.modules.llm import TransformersWrapper, vLLMWrapper
 from torchrl.modules.llm.backends.vllm import RLvLLMEngine
@@ -25,6 +29,7 @@ from vllm import SamplingParams
 from vllm.inputs import TextPrompt, TokensPrompt
 
 from torchrl_vllm_ext import (
+    ServiceSyncScheme,
     TokenCountEnv,
     VLLMPolicy,
     WeightSyncError,
@@ -32,7 +37,14 @@ from torchrl_vllm_ext import (
     WeightSyncUpdater,
 )
 
-from ..helpers import assert_replicas_match, hf_token_logprobs, launch, make_adapter, perturb
+from ..helpers import (
+    assert_replicas_match,
+    hf_token_logprobs,
+    launch,
+    make_adapter,
+    perturb,
+    wait_until,
+)
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
 CHATS = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "red green blue"}]]
@@ -154,7 +166,7 @@ def test_vllm_updater_v2_pushes_through_the_scheme(engine, tokenizer, trainer):
         pushed()
         gap = assert_replicas_match(engine, trainer, str(before + 1))
         if seed == 0:  # the scheme's first push is verified by value
-            assert engine._engine_updates.last_report.probe_gap
+            assert engine._torchrl.updates.last_report.probe_gap
         print(f"vLLMUpdaterV2 push {seed}: max |replica - trainer| {gap:.2e}")
     collector.shutdown()
 
@@ -220,6 +232,129 @@ def test_scheme_is_torchrl_weight_sync_scheme_for_collectors(engine, trainer):
             collector.update_policy_weights_(model)
             assert collector.policy_version == step + 1
             assert_replicas_match(engine, model, str(step + 1))
+    finally:
+        collector.shutdown()
+        scheme.close()
+
+
+@ray.remote(num_cpus=0.1)
+def _run_policy(policy, td):
+    """A Ray-remote consumer of a policy (the service crosses inside it)."""
+    out = policy(td)
+    svc = policy.model if hasattr(policy, "model") else policy.service
+    return out, svc.is_owner, svc.weight_version
+
+
+@ray.remote(num_cpus=0.1)
+class _HandleHolder:
+    def __init__(self, service):
+        self.service = service
+
+    def call(self, method, *args):
+        return getattr(self.service, method)(*args)
+
+    def generate(self, ids):
+        out = self.service.generate([ids], GREEDY)[0].outputs[0]
+        return list(out.token_ids)
+
+
+@ray.remote(num_cpus=0.1)
+def _grpo_push(policy, collector, model) -> str:
+    """grpo-sync.py's weight sync in its train actor, with ServiceSyncScheme in place of
+    TorchRL's VLLMWeightSyncScheme."""
+    engine = policy.model
+    sender = ServiceSyncScheme(engine).create_sender()
+    sender.register_model(model)
+    sender.init_all_workers_group({}, vllm_engine=engine)
+    sender.register_collector(collector)
+    sender.update_weights()
+    return engine.weight_version
+
+
+def _rows(td) -> list:
+    """Every element of ``td``, whatever its batch dims."""
+    return [r for t in td.unbind(0) for r in (_rows(t) if t.batch_dims else [t])]
+
+
+def _token_td(ids) -> TensorDict:
+    return TensorDict({("tokens", "prompt"): torch.tensor([ids])}, batch_size=[1])
+
+
+def test_service_pickles_into_ray_processes_as_a_handle(engine, tokenizer):
+    assert engine.is_owner and len(pickle.dumps(engine)) < 20_000
+    assert engine.get_master_port() > 0 and len(engine.actors) == engine.num_replicas
+    assert ray.get(engine.actors[0].get_tokenizer.remote()).eos_token == tokenizer.eos_token
+    ids = tokenizer("one two three")["input_ids"]
+    kwargs = {"input_mode": "tokens", "generate_kwargs": {"max_tokens": 5, "temperature": 0.0}}
+    for policy in (vLLMWrapper(engine, **kwargs), VLLMPolicy(engine, **kwargs)):
+        here = policy(_token_td(ids))
+        there, owner, version = ray.get(_run_policy.remote(policy, _token_td(ids)))
+        assert not owner and version == engine.weight_version
+        for key in (("tokens", "response"), ("log_probs", "response")):
+            assert torch.equal(there.get(key, as_list=True)[0], here.get(key, as_list=True)[0])
+    holder = _HandleHolder.remote(engine)
+    try:
+        # Owner-only calls are forwarded; the owner's version is what every handle sees.
+        before = engine.weight_version
+        ray.get(holder.call.remote("set_weight_version", "handle-label"))
+        assert engine.weight_version == "handle-label"
+        assert ray.get(holder.call.remote("weight_versions")) == dict.fromkeys(
+            engine.replica_ids, "handle-label"
+        )
+        engine.set_weight_version(before)
+        wait_until(
+            lambda: (
+                ray.get(holder.call.remote("weight_versions"))
+                == dict.fromkeys(engine.replica_ids, before)
+            ),
+            10,
+        )
+        # A death a handle meets: its batch waits for the owner's restart and succeeds;
+        # the owner's pool recorded it once and every side sees it.
+        deaths = len(engine.deaths())
+        ray.kill(engine.actors[0], no_restart=True)
+        after = ray.get(holder.generate.remote(ids))
+        assert len(engine.deaths()) == deaths + 1
+        wait_until(lambda: len(ray.get(holder.call.remote("deaths"))) == deaths + 1, 10)
+        # Closing a handle stops nothing: the owner serves the same (restarted) replica.
+        ray.get(holder.call.remote("shutdown"))
+        assert list(engine.generate([ids], GREEDY)[0].outputs[0].token_ids) == after
+    finally:
+        ray.kill(holder)
+
+
+def test_ray_llm_collector_ships_the_service(engine, tokenizer, trainer):
+    """TorchRL's RayLLMCollector with vLLMWrapper(service) and our updater inside its Ray
+    actor: it collects, and a push through it is served at its version."""
+    scheme = WeightSyncScheme(engine, verify="always")
+    collector = RayLLMCollector(
+        functools.partial(TokenCountEnv, batch_size=(2,), prompt_len=4, answer_len=4, seed=0),
+        policy=vLLMWrapper(engine, input_mode="tokens", generate_kwargs={"max_tokens": 4}),
+        dialog_turns_per_batch=2,
+        weight_updater=WeightSyncUpdater(scheme),
+        track_policy_version=True,
+        remote_config={"num_cpus": 0.1},
+    )
+    try:
+        assert collector.next().numel() == 2
+        perturb(trainer, seed=50)
+        collector.update_policy_weights_(trainer)
+        assert collector.policy_version == 1
+        assert engine.weight_version == scheme.version == "1"
+        assert_replicas_match(engine, trainer, "1")
+        rows = _rows(collector.next())
+        assert len(rows) == 2
+        for row in rows:
+            ids, lps = row.get(("tokens", "full")), row.get(("log_probs", "response"))
+            expected = hf_token_logprobs(trainer, ids.tolist())[-len(lps) :]
+            torch.testing.assert_close(lps.float(), expected, atol=1e-4, rtol=0)
+        # TorchRL's sota GRPO push, from its Ray-remote train loop: a sender over the
+        # service (handle) with the collector registered.
+        perturb(trainer, seed=51)
+        policy = vLLMWrapper(engine, input_mode="tokens")
+        assert ray.get(_grpo_push.remote(policy, collector, trainer)) == "2"
+        assert collector.policy_version == 2 and engine.weight_version == "2"
+        assert_replicas_match(engine, trainer, "2")
     finally:
         collector.shutdown()
         scheme.close()

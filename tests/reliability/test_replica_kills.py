@@ -8,13 +8,15 @@ service keeps serving. The default run kills once per test; ``--runslow`` 10 and
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
+import os
 import random
 import time
 
 import pytest
 
-from torchrl_vllm_ext import WeightSyncError
+from torchrl_vllm_ext import WeightSyncError, leftovers
 
 from ..helpers import (
     Traffic,
@@ -24,9 +26,16 @@ from ..helpers import (
     prompts,
     wait_ready,
     wait_restarted,
+    wait_until,
 )
 
 logger = logging.getLogger(__name__)
+
+
+def _reaped(path: str) -> bool:
+    """Whether ``path`` is gone after a reap (what the next start on this node runs)."""
+    leftovers.reap()
+    return not os.path.exists(path)
 
 
 @pytest.mark.parametrize(
@@ -42,10 +51,14 @@ def test_sigkill_during_generation_loses_no_request(service, kills):
             wait_ready(service)
             time.sleep(rng.uniform(0.2, 2.0))  # a random moment of the traffic
             victim = rng.choice(service.replica_ids)
+            old_tmp = service.replica_info(victim).temp_dir
             old_pid, what = kill_replica(service, victim, rng)
             logger.info("killed the %s of replica %d", what, victim)
             wait_restarted(service, victim, old_pid)
             assert service.weight_versions()[victim] == version
+            # Its temporary directory (vLLM's rendezvous file) goes at the next start on
+            # this node once its process is gone: its successor's, or this reap.
+            wait_until(functools.partial(_reaped, old_tmp), 30, what=f"{old_tmp} to be reaped")
     finally:
         traffic.stop()
     ok, errors = traffic.check()

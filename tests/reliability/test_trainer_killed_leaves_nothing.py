@@ -2,12 +2,14 @@
 
 The trainer (a child process) launches its own service and Ray, pushes twice through
 storage and is SIGKILLed. Its Ray session dies with it (Ray's processes share their
-driver's fate); its slot directory stays until the next weight-sync scheme starts on
-this machine, which removes it: its owner is dead. Nothing of either run is left.
+driver's fate); its slot directory and its replica's temporary directory (vLLM's
+rendezvous file) stay until the next weight-sync scheme starts on this machine, which
+removes them: their owners are dead. Nothing of either run is left.
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -17,11 +19,19 @@ import uuid
 
 from torchrl_vllm_ext import WeightSyncScheme
 
-from ..helpers import TRAINER_RUN, ours_tagged, processes_of, trainer_env, wait_until
+from ..helpers import (
+    TRAINER_RUN,
+    ours_tagged,
+    processes_of,
+    shm_names,
+    trainer_env,
+    wait_until,
+)
 
 
 def test_a_killed_trainers_leftovers_are_reaped_by_the_next_start(service, tiny_model, tmp_path):
     tag = f"test-kill-{uuid.uuid4().hex[:8]}"
+    before = shm_names()
     proc = subprocess.Popen(
         [sys.executable, "-c", TRAINER_RUN, str(tiny_model), str(tmp_path), "kill"],
         env=trainer_env(tag),
@@ -42,7 +52,11 @@ def test_a_killed_trainers_leftovers_are_reaped_by_the_next_start(service, tiny_
             proc.kill()
             proc.wait()
         proc.stdout.close()
-    assert ours_tagged(tag) == [info["slots"]], "a killed trainer leaves its slots"
+    # A killed trainer leaves its slots, and its replica (killed with its Ray session) its
+    # temporary directory with vLLM's rendezvous file in it; no named semaphore.
+    assert sorted(ours_tagged(tag)) == sorted([info["slots"], *info["temps"]])
+    assert all(glob.glob(os.path.join(t, "vllm_dist_*")) for t in info["temps"])
+    assert not {n for n in shm_names() - before if n.startswith("sem.")}
     wait_until(
         lambda: not processes_of(info["session"], info["replicas"]),
         120,
@@ -52,6 +66,7 @@ def test_a_killed_trainers_leftovers_are_reaped_by_the_next_start(service, tiny_
     # The next run on this machine: starting a scheme reaps what dead owners left.
     with WeightSyncScheme(service, transport="storage") as scheme:
         assert not os.path.exists(info["slots"])
+        assert not any(os.path.exists(t) for t in info["temps"])
         assert ours_tagged(tag) == []
         mine = scheme.storage_dir
         assert mine.exists()

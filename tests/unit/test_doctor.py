@@ -59,3 +59,19 @@ def test_doctor_lists_and_cleans_only_the_dead(tmp_path, capsys):
     assert all(p.exists() for p in (mine, elsewhere, unmarked, foreign))
     leftovers.remove_owned(mine)
     assert not mine.exists()
+
+
+def test_an_owner_that_is_a_zombie_counts_as_dead(tmp_path):
+    # A killed replica stays a zombie until its parent reaps it: its directory is reapable.
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        start = leftovers.process_start(proc.pid) or 1.0
+        owner = leftovers.Owner(proc.pid, start, leftovers.Owner.me().host)
+        zombie = tmp_path / "torchrl-vllm-replica-tmp-zombie"
+        zombie.mkdir()
+        leftovers.mark(zombie, owner)
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+        assert not owner.alive()
+        assert leftovers.reap(tmp_path) == [zombie]
+    finally:
+        proc.wait()

@@ -73,7 +73,7 @@ class Trainer(torch.nn.Module):
 
 
 def view(replica: Replica) -> ReplicaView:
-    info = ReplicaInfo(replica.rid, 0, "127.0.0.1", 256, 100, 4096, replica.dtype)
+    info = ReplicaInfo(replica.rid, 0, "127.0.0.1", 256, 100, 4096, dtype=replica.dtype)
     return ReplicaView(replica.rid, replica, info)
 
 

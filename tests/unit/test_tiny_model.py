@@ -30,7 +30,10 @@ def test_tiny_model_loads_in_transformers(tmp_path, arch, tie, dtype):
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
     )
     assert chat.endswith("<|im_start|>assistant\n")
-    assert tok.eos_token == "<|im_end|>" and model.config.eos_token_id == tok.eos_token_id
+    # Qwen2.5's tokens: EOS (and pad) <|endoftext|>, chat turns end with <|im_end|>.
+    assert tok.eos_token == tok.pad_token == "<|endoftext|>"
+    assert model.config.eos_token_id == tok.eos_token_id
+    assert "hi<|im_end|>" in chat
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits
     assert torch.isfinite(logits).all() and logits.shape[-1] == len(tok)

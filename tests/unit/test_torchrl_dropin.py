@@ -13,7 +13,11 @@ from torchrl.modules.llm import TransformersWrapper
 from torchrl_vllm_ext import InvalidRequestError, VLLMPolicy, WeightSyncError, WeightSyncScheme
 from torchrl_vllm_ext.engine.prompt_forms import encode_texts, parse_prompts
 from torchrl_vllm_ext.engine.service import VLLMService
-from torchrl_vllm_ext.engine.torchrl_engine import lora_name, register_engine
+from torchrl_vllm_ext.engine.torchrl_engine import (
+    from_pretrained_kwargs,
+    lora_name,
+    register_engine,
+)
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.weight_sync.engine_updates import collect, decoder_names_to_checkpoint
 from torchrl_vllm_ext.weight_sync.sources import (
@@ -168,3 +172,15 @@ def test_update_iterator_is_checked_and_decoder_names_mapped():
     assert list(decoder_names_to_checkpoint({"norm.weight": t}, expected)) == ["model.norm.weight"]
     untouched = {"lm_head.weight": t}
     assert decoder_names_to_checkpoint(untouched, expected) is untouched
+
+
+def test_from_pretrained_takes_async_vllms_keywords():
+    assert from_pretrained_kwargs(num_devices=2, verbose=False, compile=False, seed=1) == {
+        "seed": 1,
+        "tensor_parallel_size": 2,
+    }
+    assert from_pretrained_kwargs()["tensor_parallel_size"] == 1
+    with pytest.raises(ConfigurationError, match="disagree"):
+        from_pretrained_kwargs(num_devices=2, tensor_parallel_size=1)
+    with pytest.raises(ConfigurationError, match="float32"):
+        from_pretrained_kwargs(enable_fp32_output=True)

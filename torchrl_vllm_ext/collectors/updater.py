@@ -89,5 +89,36 @@ with warnings.catch_warnings():
             self.last_report = self.scheme.push(server_weights, version=self.next_version())
             self._pushes += 1
 
+        def __reduce__(self):
+            # Shipped into a Ray actor (TorchRL's RayLLMCollector): the owner of the
+            # service exports the scheme's push, which the copy calls through the service.
+            scheme = self.scheme
+            if not isinstance(scheme, ForwardedPush):
+                scheme = ForwardedPush(scheme.service, scheme.service.export(scheme.push))
+            return _rebuild, (scheme, self._pushes)
 
-__all__ = ["WeightSyncUpdater"]
+
+def _rebuild(scheme, pushes: int) -> WeightSyncUpdater:
+    updater = WeightSyncUpdater(scheme)
+    updater._pushes = pushes
+    return updater
+
+
+class ForwardedPush:
+    """A scheme's ``push`` in another process: run by the service's owner with the scheme
+    it exported (the weights travel to the owner, which pushes and versions them).
+
+    Args:
+        service: the service (a handle, in the process that pushes).
+        key: what the owner's :meth:`~torchrl_vllm_ext.VLLMService.export` returned.
+    """
+
+    def __init__(self, service, key: str):
+        self.service = service
+        self.key = key
+
+    def push(self, weights, version):
+        return self.service.call_exported(self.key, weights, version=version)
+
+
+__all__ = ["ForwardedPush", "WeightSyncUpdater"]

@@ -81,6 +81,10 @@ class AdapterRegistry:
         # Copy on write: readers on other threads iterate the dict they got.
         self._live = {**self._live, adapter.name: adapter}
 
+    def replace(self, adapters) -> None:
+        """Serve exactly ``adapters`` (a service handle follows its owner's)."""
+        self._live = {a.name: a for a in adapters}
+
     def remove(self, name: str) -> Adapter:
         adapter = self.get(name)
         self._live = {k: a for k, a in self._live.items() if k != name}

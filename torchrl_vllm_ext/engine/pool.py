@@ -37,6 +37,7 @@ import ray
 from tqdm.auto import tqdm
 
 from torchrl_vllm_ext.engine import cluster, placement
+from torchrl_vllm_ext.engine.calls import Outcomes, call_each, call_one
 from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS, actor_cause
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.replica import ReplicaSpec, VLLMReplica
@@ -49,10 +50,6 @@ from torchrl_vllm_ext.errors import (
 from torchrl_vllm_ext.messages import ReplicaDeath, ReplicaInfo
 
 logger = logging.getLogger(__name__)
-
-
-class Unresponsive(Exception):
-    """A replica gave no answer within a call's deadline: it is handled as dead."""
 
 
 class ReplicaState(enum.Enum):
@@ -86,29 +83,6 @@ class ReplicaView:
     def node(self) -> str:
         """The Ray node IP the replica runs on."""
         return self.info.node_ip
-
-
-@dataclass
-class Outcomes:
-    """One call per replica, every outcome by replica id (nothing stops at a failure)."""
-
-    results: dict[int, Any] = field(default_factory=dict)
-    """Replicas that answered, and what."""
-    errors: dict[int, BaseException] = field(default_factory=dict)
-    """Replicas whose call raised, with the replica-side exception (out of Ray's wrapper)."""
-    dead: dict[int, ReplicaDeadError] = field(default_factory=dict)
-    """Replicas that died meanwhile (recorded and being restarted by the pool)."""
-
-    def check(self, what: str) -> None:
-        """Raise the first replica's error, or :class:`ReplicaDeadError` when every
-        replica called died; return when the others answered."""
-        if self.errors:
-            raise next(iter(self.errors.values()))
-        if self.dead and not self.results:
-            raise ReplicaDeadError(
-                f"{what}: every replica called died ({sorted(self.dead)}); they are being "
-                "restarted, try again once they serve."
-            )
 
 
 class WeightsProvider(Protocol):
@@ -203,8 +177,8 @@ class ReplicaPool:
         self._tasks: set[asyncio.Task] = set()
         self._restarting: set[int] = set()  # ids between their death and their restart
         self._closed = False
-        self.weight_version = str(config.weight_version)
-        """The weights every replica serves, and restarted replicas are brought to."""
+        self._publish_listeners: list[Callable[[], None]] = []
+        self._weight_version = str(config.weight_version)
         self.provider: WeightsProvider | None = None
         """Brings started replicas to the live weights (the scheme that pushed last)."""
         self.serving = ServingState()
@@ -212,6 +186,16 @@ class ReplicaPool:
         before it counts as ready (:func:`~torchrl_vllm_ext.engine.serving.restart_steps`)."""
 
     # ------------------------------------------------------------------ snapshot (any thread)
+    @property
+    def weight_version(self) -> str:
+        """The weights every replica serves, and restarted replicas are brought to."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, version: str) -> None:
+        self._weight_version = str(version)
+        self._publish()
+
     def ready(self) -> tuple[ReplicaView, ...]:
         """The ready replicas, by id; an immutable snapshot any thread may read."""
         return self._ready
@@ -255,6 +239,11 @@ class ReplicaPool:
         return self._driver_ip
 
     # ------------------------------------------------------------------ hooks
+    def on_publish(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (on the loop) after every change of the snapshots, the deaths
+        or the weight version (the service mirrors them to its handles' directory)."""
+        self._publish_listeners.append(listener)
+
     def on_death(self, listener: Callable[[int], None]) -> None:
         """Call ``listener(replica_id)`` (on the loop) whenever a replica is noticed dead."""
         self._death_listeners.append(listener)
@@ -468,30 +457,8 @@ class ReplicaPool:
         replica that has not answered counts as gone (``dead``): it is killed and
         restarted like a replica that died.
         """
-        targets = self._ready if replicas is None else tuple(replicas)
-        limits = [t for t in (timeout, deadline) if t is not None]
-        limit = min(limits) if limits else None
-
-        async def one(view: ReplicaView):
-            try:
-                return await asyncio.wait_for(call(view), limit)
-            except TimeoutError as e:
-                if deadline is not None and limit == deadline:
-                    raise Unresponsive(
-                        f"no answer to {what} within its deadline of {deadline:.1f}s"
-                    ) from e
-                raise
-
-        answers = await asyncio.gather(*(one(v) for v in targets), return_exceptions=True)
-        out = Outcomes()
-        for view, answer in zip(targets, answers, strict=True):
-            if isinstance(answer, (*DEATH_ERRORS, Unresponsive)):
-                out.dead[view.replica_id] = self._died(view, answer, what)
-            elif isinstance(answer, BaseException):
-                out.errors[view.replica_id] = actor_cause(answer)
-            else:
-                out.results[view.replica_id] = answer
-        return out
+        targets = self._ready if replicas is None else replicas
+        return await call_each(targets, call, self._died, what, timeout, deadline)
 
     async def call_all(
         self,
@@ -510,12 +477,7 @@ class ReplicaPool:
     async def call(self, replica: ReplicaView, method: str, *args: Any) -> Any:
         """``method(*args)`` on one replica: its answer, the replica-side exception, or
         :class:`ReplicaDeadError` if it died (recorded and being restarted)."""
-        try:
-            return await getattr(replica.handle, method).remote(*args)
-        except DEATH_ERRORS as e:
-            raise self._died(replica, e, method) from e
-        except ray.exceptions.RayTaskError as e:
-            raise actor_cause(e) from None
+        return await call_one(replica, method, args, self._died)
 
     @contextlib.asynccontextmanager
     async def lease(self, replica_id: int, n: int) -> AsyncIterator[None]:
@@ -564,10 +526,10 @@ class ReplicaPool:
         # A view taken before a restart names the old actor: its death is old news.
         if rec is not None and rec.actor is view.handle and rec.state in alive:
             draining = rec.state is ReplicaState.DRAINING
+            self._deaths.append(ReplicaDeath(rid, rec.node, time.time(), cause))
             self._set_state(rec, ReplicaState.DEAD)
             for listener in self._death_listeners:
                 listener(rid)
-            self._deaths.append(ReplicaDeath(rid, rec.node, time.time(), cause))
             logger.warning("replica %d on node %s died during %s (%s)", rid, rec.node, what, cause)
             if not draining and not self._closed:
                 self._restarting.add(rid)
@@ -576,6 +538,14 @@ class ReplicaPool:
             f"replica {rid} died during {what} ({cause}); it is restarted at weight version "
             f"{self.weight_version}."
         )
+
+    async def report_death(self, replica_id: int, actor_id: str, cause: str, what: str) -> None:
+        """A service handle in another process found replica ``replica_id`` (Ray actor
+        ``actor_id``, hex) dead during ``what``: the death policy, as for our own calls (a
+        report about an actor already replaced is old news)."""
+        rec = self._records.get(replica_id)
+        if rec is not None and rec.actor is not None and rec.actor._actor_id.hex() == actor_id:
+            self._died(rec.view(), ReplicaDeadError(cause), f"{what} (seen by a handle)")
 
     def discard(self, view: ReplicaView, error: BaseException, what: str) -> None:
         """Restart a live replica that must not serve (its weights failed verification):
@@ -644,6 +614,8 @@ class ReplicaPool:
         recs = sorted(self._records.values(), key=lambda r: r.replica_id)
         self._ready = tuple(r.view() for r in recs if r.state is ReplicaState.READY)
         self._states = MappingProxyType({r.replica_id: r.state for r in recs})
+        for listener in self._publish_listeners:
+            listener()
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)

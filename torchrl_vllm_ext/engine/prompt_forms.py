@@ -112,4 +112,15 @@ def encode_texts(
     return tokenizer(texts, **kwargs)["input_ids"]
 
 
-__all__ = ["ParsedPrompts", "encode_texts", "parse_prompts"]
+def one_of(prompts, prompt_token_ids):
+    """The prompts of a ``generate`` call, given as ``prompts`` or TorchRL's
+    ``prompt_token_ids=``, once."""
+    if (prompts is None) == (prompt_token_ids is None):
+        raise InvalidRequestError(
+            "generate() takes the prompts once: pass prompts (any vLLM form) or "
+            "prompt_token_ids=, not both and not neither."
+        )
+    return prompts if prompts is not None else prompt_token_ids
+
+
+__all__ = ["ParsedPrompts", "encode_texts", "one_of", "parse_prompts"]

@@ -44,6 +44,16 @@ from torchrl_vllm_ext.protocol import load_class
 
 logger = logging.getLogger(__name__)
 
+TEMP_PREFIX = leftovers.PREFIX + "replica-tmp-"
+"""A replica process's temporary directory (:func:`~torchrl_vllm_ext.leftovers.adopt_tempdir`)."""
+
+_NATIVE_TRANSFER = (
+    "replica {}: vLLM's native weight transfer (TorchRL's VLLMWeightSyncScheme and "
+    "AsyncVLLM's NCCL group) is not served: pushes into these replicas are verified and "
+    "versioned. Push with vLLMUpdaterV2(service), service.update_weights(...), or "
+    "torchrl_vllm_ext.WeightSyncScheme(service) (a TorchRL WeightSyncScheme)."
+)
+
 
 def root_cause(error: BaseException) -> str:
     """``Type: message`` of the innermost exception that ``error`` was raised from.
@@ -137,12 +147,15 @@ class VLLMReplica:
         self._engine_class = engine_class(spec.in_process)
         self._extension = load_class(spec.actor_extension)() if spec.actor_extension else None
         self._shipped: Path | None = None  # adapters shipped to this node (stage_files)
+        self._tmp: Path | None = None  # this process's TMPDIR (vLLM's rendezvous, sockets)
         self.engine: Engine | None = None
 
     async def start(self) -> ReplicaInfo:
         """Build the engine; return what the router and validators need to know."""
-        # A replica killed on this node (SIGKILL: no cleanup) left its shipped adapters.
+        # A replica killed on this node (SIGKILL: no cleanup) left its shipped adapters
+        # and its temporary directory.
         await asyncio.to_thread(leftovers.reap)
+        self._tmp = leftovers.adopt_tempdir(TEMP_PREFIX)
         kwargs = {"enable_log_requests": False, "disable_log_stats": True}
         kwargs.update(self._engine_kwargs)
         api = vllm_engine_api()
@@ -160,6 +173,9 @@ class VLLMReplica:
                 [make_sampling_params({"max_tokens": 1})],
                 [f"warm-up-{self.replica_id}-{os.getpid()}"],
             )
+            # The engine's locks exist now: unlink their names (the locks keep working, and
+            # nothing spawned later opens them by name), so a killed replica leaves none.
+            leftovers.release_semaphores()
         except Exception as e:
             await asyncio.to_thread(self._release_failed_start)
             raise ReplicaStartupError(
@@ -176,6 +192,7 @@ class VLLMReplica:
             max_model_len=limits.max_model_len,
             max_token_id=limits.max_token_id,
             kv_capacity_tokens=limits.kv_capacity_tokens,
+            temp_dir=str(self._tmp),
             dtype=limits.dtype,
         )
         logger.info("replica %d ready: %s", self.replica_id, info)
@@ -327,7 +344,7 @@ class VLLMReplica:
         if self._state.serving:
             await self._require_engine().resume()
 
-    async def sleep(self, level: int, mode: str) -> None:
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Free the accelerator's memory (vLLM sleep mode; requests wait until woken)."""
         state = self._state.slept(level)
         await self._require_engine().sleep(level, check_pause_mode(mode))
@@ -469,7 +486,8 @@ class VLLMReplica:
 
     def _release_failed_start(self) -> None:
         """What a start that failed half-way made in this process (the pool kills it
-        next): the engine, vLLM's distributed environment, named semaphores."""
+        next): the engine, vLLM's distributed environment, named semaphores, the temporary
+        directory."""
         try:
             if self.engine is not None:
                 self.engine.shutdown()
@@ -480,8 +498,43 @@ class VLLMReplica:
                 "replica %d: cleanup after a failed start failed", self.replica_id, exc_info=True
             )
         leftovers.release_semaphores()
+        self._remove_tempdir()
 
     # ------------------------------------------------------------------ lifecycle
+    # ------------------------------------------------------------------ TorchRL's actor calls
+    # What TorchRL's code and tests call on AsyncVLLM's actors (service.actors[i]).
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def get_tokenizer(self):
+        """The served model's tokenizer (TorchRL's ``actor.get_tokenizer.remote()``)."""
+        from torchrl_vllm_ext.hf import load_tokenizer
+
+        return load_tokenizer(self._engine_kwargs.get("tokenizer") or self._model, "tokenizer")
+
+    async def collective_rpc_v1(
+        self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None
+    ):
+        """TorchRL's name and argument order of :meth:`collective_rpc`."""
+        return await asyncio.wait_for(self.collective_rpc(method, args, kwargs), timeout)
+
+    def get_world_size(self) -> int:
+        """Workers of this replica (tensor x pipeline parallel)."""
+        kw = self._engine_kwargs
+        return kw.get("tensor_parallel_size", 1) * kw.get("pipeline_parallel_size", 1)
+
+    async def get_num_unfinished_requests(self) -> int:
+        return self._outstanding
+
+    async def get_cache_usage(self) -> float:
+        return self._require_engine().load().kv_cache_usage
+
+    async def init_weight_transfer_engine(self, init_request) -> None:
+        raise WeightSyncError(_NATIVE_TRANSFER.format(self.replica_id))
+
+    async def update_weights_native(self, update_request) -> None:
+        raise WeightSyncError(_NATIVE_TRANSFER.format(self.replica_id))
+
     async def shutdown(self) -> None:
         """Stop the engine and its processes."""
         if self.engine is not None:
@@ -490,9 +543,16 @@ class VLLMReplica:
         if self._shipped is not None:
             shutil.rmtree(self._shipped, ignore_errors=True)
             self._shipped = None
-        # Ray kills this process next: nothing would unlink its locks' semaphores.
+        # Ray kills this process next: nothing would unlink its locks' semaphores (those
+        # made since the start) or remove its temporary directory.
         released = leftovers.release_semaphores()
         logger.debug("replica %d released %d named semaphore(s)", self.replica_id, released)
+        self._remove_tempdir()
+
+    def _remove_tempdir(self) -> None:
+        if self._tmp is not None:
+            leftovers.remove_owned(self._tmp)
+            self._tmp = None
 
     def _require_engine(self) -> Engine:
         if self.engine is None:

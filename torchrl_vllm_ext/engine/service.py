@@ -6,9 +6,15 @@
 * :class:`~.lora_serving.LoraServing`: the adapters on every replica.
 
 All of their state lives on one private event loop (:class:`~.loop.LoopThread`): the sync
-methods block on it and the ``a``-prefixed ones await it, so both share one path.
-Readers of the ready snapshot (``replica_ids``, ``num_replicas``, ``replica_info``, ...)
-run on the caller's thread.
+methods block on it and the ``a``-prefixed ones await it (both made from one coroutine,
+:func:`~.owner.twins`). Readers of the ready snapshot (``replica_ids``, ``replica_info``,
+...) run on the caller's thread.
+
+The service pickles, as TorchRL's ``AsyncVLLM`` does: in another Ray process it is a
+handle to the same replicas (:mod:`.directory`, :class:`~.handle_pool.HandlePool`). A
+handle generates and scores through them, sees the owner's weight version and deaths, and
+forwards what only the owner does (:func:`~.owner.owner_only`: pushes, pause, replicas,
+adapters); closing a handle stops nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
-import warnings
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,30 +31,42 @@ import ray
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._compat import vllm_engine_api
 from torchrl_vllm_ext.batches import RequestBatch
-from torchrl_vllm_ext.engine import cluster
+from torchrl_vllm_ext.engine import cluster, handles
 from torchrl_vllm_ext.engine.adapters import AdapterRegistry
-from torchrl_vllm_ext.engine.base import check_pause_mode
 from torchrl_vllm_ext.engine.config import ServiceConfig
+from torchrl_vllm_ext.engine.control import (
+    CONTROL,
+    FLEET_VIEW,
+    OWNER_CONTROL,
+    Control,
+    FleetView,
+)
 from torchrl_vllm_ext.engine.generation import Generation
+from torchrl_vllm_ext.engine.handle_pool import HandlePool
 from torchrl_vllm_ext.engine.loop import LoopThread
 from torchrl_vllm_ext.engine.lora_serving import LoraServing
-from torchrl_vllm_ext.engine.outputs import to_request_output
-from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView, WeightsProvider
-from torchrl_vllm_ext.engine.prompt_forms import encode_texts, parse_prompts
+from torchrl_vllm_ext.engine.owner import (
+    add_deprecated_aliases,
+    delegate,
+    owner_only,
+    twins,
+)
+from torchrl_vllm_ext.engine.pool import ReplicaPool, WeightsProvider
+from torchrl_vllm_ext.engine.prompt_forms import encode_texts, one_of, parse_prompts
 from torchrl_vllm_ext.engine.torchrl_engine import (
+    ENGINE_CALLS,
+    OWNER_ENGINE_CALLS,
+    TorchRLEngine,
     actor_style,
+    from_pretrained_kwargs,
     register_engine,
     register_engine_if_loaded,
+    request_outputs,
 )
 from torchrl_vllm_ext.engine.torchrl_engine import lora_name as _lora_name
-from torchrl_vllm_ext.errors import (
-    ConfigurationError,
-    InvalidRequestError,
-    ServiceClosedError,
-)
+from torchrl_vllm_ext.errors import ConfigurationError, ServiceClosedError
 from torchrl_vllm_ext.hf import load_tokenizer
-from torchrl_vllm_ext.messages import ReplicaDeath, ReplicaInfo, ReplicaStats, RequestData
-from torchrl_vllm_ext.protocol import load_class
+from torchrl_vllm_ext.messages import RequestData
 
 T = TypeVar("T")
 
@@ -58,7 +75,8 @@ class VLLMService:
     """vLLM v1 engine replicas as Ray actors behind one object.
 
     Use :meth:`launch` (or :meth:`from_config`); shut down with :meth:`shutdown` or a
-    ``with`` block, which releases every actor and placement group.
+    ``with`` block, which releases every actor and placement group. Pickled into another
+    Ray process (a Ray actor, a task), it is a handle to the same replicas.
 
     Examples:
         >>> from torchrl_vllm_ext import VLLMService
@@ -69,19 +87,28 @@ class VLLMService:
         8
     """
 
-    def __init__(self, config: ServiceConfig):
+    def __init__(self, config: ServiceConfig, pool: ReplicaPool | HandlePool | None = None):
         self.config = config
         self.name = f"tvllm-{uuid.uuid4().hex[:8]}"
         self._loop = LoopThread(self.name)
-        self.pool = ReplicaPool(config, self.name)
+        self.pool = pool if pool is not None else ReplicaPool(config, self.name)
         """The replicas (what weight-sync transports are given)."""
-        adapters = AdapterRegistry()
-        self._generation = Generation(self.pool, adapters, self.name)
-        self._lora = LoraServing(self.pool, adapters)
+        self._adapters = AdapterRegistry()
+        self._generation = Generation(self.pool, self._adapters, self.name)
+        self._lora = LoraServing(self.pool, self._adapters) if self.is_owner else None
+        # The owner's OwnerLink (directory, mailbox, port) or a handle's HandleLink.
+        self._link: handles.OwnerLink | handles.HandleLink | None = None
         self._owns_ray = False
         self._closed = False
         self._tokenizer = None
-        self._engine_updates = None  # TorchRL's engine calls: a scheme made on first use
+        self._view = FleetView(self.pool)
+        self._control = Control(self.pool, config, self.run)
+        self._torchrl = TorchRLEngine(self)
+
+    @property
+    def is_owner(self) -> bool:
+        """True in the process that launched the service; False in a handle."""
+        return not isinstance(self.pool, HandlePool)
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -112,6 +139,14 @@ class VLLMService:
         return cls.from_config(config)
 
     @classmethod
+    def from_pretrained(cls, model_name: str | Path, num_replicas: int = 1, **kwargs: Any):
+        """TorchRL's ``AsyncVLLM.from_pretrained(model_name, num_devices=None, num_replicas=1,
+        verbose=True, compile=True, enable_fp32_output=False, **engine_kwargs)``, same
+        keywords (see :func:`~.torchrl_engine.from_pretrained_kwargs`): the one line a
+        TorchRL script changes."""
+        return cls.launch(model_name, num_replicas, **from_pretrained_kwargs(**kwargs))
+
+    @classmethod
     def from_config(cls, config: ServiceConfig) -> VLLMService:
         """Start the replicas ``config`` describes and return the running service."""
         leftovers.reap()  # what killed services, schemes and replicas left on this host
@@ -121,6 +156,8 @@ class VLLMService:
             svc._owns_ray = cluster.ensure_ray(
                 config.ray_address, log_to_driver=config.log_file is None
             )
+            svc._link = handles.OwnerLink(svc.name, functools.partial(handles.serve, svc))
+            svc.pool.on_publish(svc._publish)
             svc._loop.run(svc._launch())
         except BaseException:
             svc.shutdown()
@@ -137,16 +174,24 @@ class VLLMService:
         self.pool.start_health_checks()
 
     def shutdown(self) -> None:
-        """Stop every replica and release its actor and placement group. Idempotent."""
+        """The owner stops every replica and releases its actor, placement group and port;
+        a handle only stops following them. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._engine_updates is not None:
-                self._engine_updates.close()
+            self._torchrl.close()
             self._loop.run(self.pool.close(), timeout=300)
         finally:
             self._loop.close()
+            if self.is_owner:
+                self._close_owned()
+
+    def _close_owned(self) -> None:
+        try:
+            if self._link is not None:
+                self._link.close(self.pool, self._adapters.live())
+        finally:
             if self._owns_ray and ray.is_initialized():
                 ray.shutdown()
 
@@ -162,9 +207,39 @@ class VLLMService:
     async def __aexit__(self, *exc) -> None:
         await asyncio.to_thread(self.shutdown)
 
+    # ------------------------------------------------------------------ owner and handles
+    def __reduce__(self):
+        if self._closed or self._link is None:
+            raise ServiceClosedError(f"service {self.name} is not running; nothing to pickle.")
+        if self.is_owner:
+            table = self._link.table(self.pool, self._adapters.live())
+        else:
+            table = self.pool.table
+        owner = self.name.split("-h")[0]
+        return _attach, (self.config, self._link.directory, table, owner)
+
+    def _publish(self) -> None:
+        """Mirror the pool's state to the handles' directory (after every change)."""
+        self._link.publish(self.pool, self._adapters.live())
+
+    def export(self, method) -> str:
+        """Let handles call the bound ``method`` through :meth:`call_exported` (the owner
+        holds it weakly); returns its key. A weight-sync updater shipped into a Ray actor
+        exports its scheme's ``push`` this way."""
+        self._require_owner("export")
+        return self._link.export(method)
+
+    @owner_only
+    def call_exported(self, key: str, *args, **kwargs):
+        """Call what :meth:`export` returned ``key`` for (from a handle: on the owner)."""
+        return self._link.exported(key)(*args, **kwargs)
+
+    def _forward(self, name: str, args: tuple, kwargs: dict):
+        """Owner-only method ``name``, run by the owner (this is a handle)."""
+        return self._link.forward(name, args, kwargs)
+
     # ------------------------------------------------------------------ generation
-    @actor_style
-    def generate(
+    async def _generate(
         self,
         prompts=None,
         sampling_params=None,
@@ -199,51 +274,50 @@ class VLLMService:
         ``svc.generate.remote(...)`` returns a Ray ``ObjectRef`` of the same list, so code
         written for a Ray actor (TorchRL's ``vLLMWrapper``) takes the service.
         """
-        parsed, lora = self._llm_request(
-            prompts, prompt_token_ids, tokenization_kwargs, lora, lora_request
+        encode = functools.partial(self._encode, tokenization_kwargs=tokenization_kwargs)
+        parsed = parse_prompts(one_of(prompts, prompt_token_ids), encode)
+        batch = await self._generation.run(
+            parsed.token_ids, sampling_params, timeout, routing, _lora_name(lora, lora_request)
         )
-        batch = self.generate_request_batch(
-            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-        )
-        return self._request_outputs(batch, parsed.texts, sampling_params)
+        return request_outputs(batch, parsed.texts, sampling_params, self.name)
 
-    async def agenerate(
+    generate, agenerate = twins(_generate)
+    generate = actor_style(generate)
+
+    async def _generate_request_data(
+        self, prompts, sampling_params=None, *, timeout=None, routing=None, lora=None
+    ) -> list[RequestData]:
+        """Like :meth:`generate` (every prompt form) but returns plain :class:`RequestData`
+        (numpy arrays)."""
+        parsed = parse_prompts(prompts, self._encode)
+        batch = await self._generation.run(
+            parsed.token_ids, sampling_params, timeout, routing, lora
+        )
+        return batch.unpack()
+
+    generate_request_data, agenerate_request_data = twins(_generate_request_data)
+
+    async def _generate_request_batch(
         self,
-        prompts=None,
+        prompt_token_ids,
         sampling_params=None,
         *,
-        prompt_token_ids=None,
         timeout=None,
         routing=None,
         lora=None,
-        lora_request=None,
-        tokenization_kwargs=None,
-        use_tqdm=None,
-    ) -> list:
-        """Async :meth:`generate`."""
-        parsed, lora = self._llm_request(
-            prompts, prompt_token_ids, tokenization_kwargs, lora, lora_request
-        )
-        batch = await self.agenerate_request_batch(
-            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-        )
-        return self._request_outputs(batch, parsed.texts, sampling_params)
+        return_log_probs: bool = True,
+    ) -> RequestBatch:
+        """Like :meth:`generate` but returns one :class:`RequestBatch` of flat arrays, in
+        input order: the fastest form, which ``VLLMPolicy`` converts to a TensorDict.
+        ``prompt_token_ids`` is a list of token-id sequences (no text: the hot path).
 
-    def _llm_request(self, prompts, prompt_token_ids, tokenization_kwargs, lora, lora_request):
-        """``vllm.LLM.generate``'s arguments -> (parsed prompts, adapter name)."""
-        encode = functools.partial(self._encode, tokenization_kwargs=tokenization_kwargs)
-        parsed = parse_prompts(_one_of(prompts, prompt_token_ids), encode)
-        return parsed, _lora_name(lora, lora_request)
+        ``return_log_probs=False`` skips vLLM's sampled-token log-probs (NaN in the batch).
+        """
+        return await self._generation.run(
+            prompt_token_ids, sampling_params, timeout, routing, lora, return_log_probs
+        )
 
-    def _request_outputs(self, batch: RequestBatch, texts: list[str | None], params) -> list:
-        # Log-probs in the form each request asked for (vLLM's default: a list of dicts).
-        per_request = params if isinstance(params, list | tuple) else [params] * len(texts)
-        outputs = []
-        for i, (data, text, p) in enumerate(zip(batch.unpack(), texts, per_request, strict=True)):
-            out = to_request_output(data, f"{self.name}-{i}", _wants_flat(p))
-            out.prompt = text
-            outputs.append(out)
-        return outputs
+    generate_request_batch, agenerate_request_batch = twins(_generate_request_batch)
 
     def _encode(self, texts: list[str], tokenization_kwargs=None) -> list[list[int]]:
         # The tokenizer is loaded at the first text prompt, not for token prompts.
@@ -263,92 +337,13 @@ class VLLMService:
         for a Ray actor where TorchRL expects one (``vLLMWrapper``)."""
         return ray.put(getattr(self, method)(*args, **kwargs))
 
-    def generate_request_data(
-        self, prompts, sampling_params=None, *, timeout=None, routing=None, lora=None
-    ) -> list[RequestData]:
-        """Like :meth:`generate` (every prompt form) but returns plain :class:`RequestData`
-        (numpy arrays)."""
-        parsed = parse_prompts(prompts, self._encode)
-        return self.generate_request_batch(
-            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-        ).unpack()
-
-    async def agenerate_request_data(
-        self, prompts, sampling_params=None, *, timeout=None, routing=None, lora=None
-    ) -> list[RequestData]:
-        """Async :meth:`generate_request_data`."""
-        parsed = parse_prompts(prompts, self._encode)
-        batch = await self.agenerate_request_batch(
-            parsed.token_ids, sampling_params, timeout=timeout, routing=routing, lora=lora
-        )
-        return batch.unpack()
-
-    def generate_request_batch(
-        self,
-        prompt_token_ids,
-        sampling_params=None,
-        *,
-        timeout=None,
-        routing=None,
-        lora=None,
-        return_log_probs: bool = True,
-    ) -> RequestBatch:
-        """Like :meth:`generate` but returns one :class:`RequestBatch` of flat arrays, in
-        input order: the fastest form, which ``VLLMPolicy`` converts to a TensorDict.
-        ``prompt_token_ids`` is a list of token-id sequences (no text: the hot path).
-
-        ``return_log_probs=False`` skips vLLM's sampled-token log-probs (NaN in the batch).
-        """
-        return self.run(
-            self._generation.run(
-                prompt_token_ids, sampling_params, timeout, routing, lora, return_log_probs
-            )
-        )
-
-    async def agenerate_request_batch(
-        self,
-        prompt_token_ids,
-        sampling_params=None,
-        *,
-        timeout=None,
-        routing=None,
-        lora=None,
-        return_log_probs: bool = True,
-    ) -> RequestBatch:
-        """Async :meth:`generate_request_batch`."""
-        return await self.arun(
-            self._generation.run(
-                prompt_token_ids, sampling_params, timeout, routing, lora, return_log_probs
-            )
-        )
-
-    def generate_batch(self, *args, **kwargs) -> list[RequestData]:
-        """Deprecated name of :meth:`generate_request_data`."""
-        _renamed("generate_batch", "generate_request_data")
-        return self.generate_request_data(*args, **kwargs)
-
-    async def agenerate_batch(self, *args, **kwargs) -> list[RequestData]:
-        """Deprecated name of :meth:`agenerate_request_data`."""
-        _renamed("agenerate_batch", "agenerate_request_data")
-        return await self.agenerate_request_data(*args, **kwargs)
-
-    def generate_flat(self, *args, **kwargs) -> RequestBatch:
-        """Deprecated name of :meth:`generate_request_batch`."""
-        _renamed("generate_flat", "generate_request_batch")
-        return self.generate_request_batch(*args, **kwargs)
-
-    async def agenerate_flat(self, *args, **kwargs) -> RequestBatch:
-        """Deprecated name of :meth:`agenerate_request_batch`."""
-        _renamed("agenerate_flat", "agenerate_request_batch")
-        return await self.agenerate_request_batch(*args, **kwargs)
-
     @property
     def routing(self) -> tuple[str, ...]:
         """The routing strategies a batch uses unless it names others."""
         return self._generation.routing
 
     # ------------------------------------------------------------------ LoRA
-    def add_lora(self, name: str, path: str | Path, shared: bool = False) -> int:
+    async def _add_lora(self, name: str, path: str | Path, shared: bool = False) -> int:
         """Load the PEFT LoRA adapter in ``path`` on every replica as ``name``; returns
         vLLM's id for it. Re-adding a name loads the new files under a new id (requests
         already running finish on the old one). Needs ``enable_lora=True`` at launch.
@@ -357,244 +352,57 @@ class VLLMService:
         store, unless ``shared`` says every node sees ``path`` (a shared file system).
         A replica that dies meanwhile gets the adapter when it restarts.
         """
-        return self.run(self._lora.add(name, path, shared))
+        try:
+            return await self._lora.add(name, path, shared)
+        finally:
+            self._publish()
 
-    def remove_lora(self, name: str) -> None:
+    async def _remove_lora(self, name: str) -> None:
         """Unload adapter ``name`` from every replica."""
-        self.run(self._lora.remove(name))
+        try:
+            await self._lora.remove(name)
+        finally:
+            self._publish()
 
-    async def aremove_lora(self, name: str) -> None:
-        """Async :meth:`remove_lora`."""
-        await self.arun(self._lora.remove(name))
+    add_lora, _ = twins(_add_lora, owner=True)
+    remove_lora, aremove_lora = twins(_remove_lora, owner=True)
 
     def list_loras(self) -> dict[str, int]:
         """Live adapters: name -> vLLM id."""
-        return self._lora.live()
+        return {a.name: a.lora_id for a in self._adapters.live()}
 
-    # ------------------------------------------------------------------ replicas
-    def replicas(self) -> tuple[ReplicaView, ...]:
-        """The ready replicas (id, actor handle, info): one consistent snapshot."""
-        return self.pool.ready()
-
-    @property
-    def replica_ids(self) -> list[int]:
-        """Ids of the replicas that are ready to serve."""
-        return [v.replica_id for v in self.pool.ready()]
-
-    @property
-    def num_replicas(self) -> int:
-        """How many replicas are ready to serve."""
-        return len(self.pool.ready())
-
-    def replica_handle(self, replica_id: int):
-        """The Ray actor handle of a ready replica (for weight-sync transports)."""
-        return self.pool.view(replica_id).handle
-
-    def replica_info(self, replica_id: int) -> ReplicaInfo:
-        """What a ready replica reported at start (pid, node, limits)."""
-        return self.pool.view(replica_id).info
-
-    def replica_states(self) -> dict[int, str]:
-        """Every replica the service holds: ``starting``, ``ready``, ``draining`` or ``dead``."""
-        return {rid: state.value for rid, state in self.pool.states().items()}
-
-    def deaths(self) -> list[ReplicaDeath]:
-        """Every replica death the service noticed, oldest first (each is then restarted)."""
-        return self.pool.deaths()
-
-    @property
-    def max_token_id(self) -> int | None:
-        """Largest token id the engines accept (None before the first replica started)."""
-        limits = self.pool.limits
-        return limits.max_token_id if limits else None
-
-    @property
-    def max_model_len(self) -> int | None:
-        """Longest prompt + completion the engines accept (None before the first replica started)."""
-        limits = self.pool.limits
-        return limits.max_model_len if limits else None
-
-    @property
-    def uses_gpu(self) -> bool:
-        """Whether the replicas run on GPUs."""
-        return self.pool.uses_gpu
-
-    def add_replicas(self, k: int) -> list[int]:
-        """Start ``k`` more replicas while serving; returns their ids."""
-        if not isinstance(k, int) or k < 1:
-            raise ConfigurationError(f"add_replicas(k={k!r}): k must be an integer >= 1.")
-        return self.run(self.pool.start(k, f"adding {k} vLLM replica(s)"))
-
-    def remove_replicas(self, k: int, drain_timeout: float = 600.0) -> list[int]:
-        """Remove ``k`` replicas while serving: they take no new work, finish what they have, stop."""
-        ready = self.num_replicas
-        if not isinstance(k, int) or k < 1 or k >= ready:
-            raise ConfigurationError(
-                f"remove_replicas(k={k!r}) with {ready} ready replicas: k must be between 1 "
-                f"and {ready - 1} (at least one replica keeps serving); use shutdown() to stop all."
-            )
-        return self.run(self.pool.remove(k, drain_timeout))
-
-    def check_health(self) -> dict[int, bool]:
-        """Ping every ready replica now; dead ones are restarted. Returns {replica_id: healthy}."""
-        return self.run(self.pool.check_health())
-
-    # ------------------------------------------------------------------ control
-    def stats(self) -> list[ReplicaStats]:
-        """Each ready replica's load, read from vLLM (a replica dying meanwhile is left out)."""
-        out = self.run(self.pool.call_all("stats"))
-        out.check("stats")
-        return [out.results[rid] for rid in sorted(out.results)]
-
-    def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """Pause generation on every replica (vLLM modes: ``abort``, ``wait``, ``keep``).
-
-        A replica restarted while paused comes back paused.
-        """
-        check_pause_mode(mode)
-        self.run(self._pause(mode, clear_cache))
-
-    async def _pause(self, mode: str, clear_cache: bool) -> None:
-        self.pool.serving = self.pool.serving.paused_as(mode, clear_cache)
-        (await self.pool.call_all("pause", mode, clear_cache)).check("pause")
-
-    def resume(self) -> None:
-        """Resume generation on every replica after :meth:`pause` (a sleeping service
-        resumes once it is awake). A push made meanwhile is value-checked now: a
-        replica that fails the check is restarted and :class:`WeightSyncError` names it."""
-        self.run(self._resume())
-
-    async def _resume(self) -> None:
-        self.pool.serving = self.pool.serving.resumed()
-        (await self.pool.call_all("resume")).check("resume")
-        await self.pool.serving_again()
-
-    def sleep(self, level: int = 1, mode: str = "abort") -> None:
-        """Free the replicas' GPU memory for a colocated trainer (vLLM sleep mode).
-
-        Level 1 offloads the weights to host memory and drops the KV cache; level 2 drops
-        both: wake the weights, push, then wake the cache (:meth:`wake_up`). Requests sent
-        meanwhile wait. A push while the weights sleep is refused; a replica restarted
-        meanwhile comes back asleep. Needs GPU replicas launched with
-        ``enable_sleep_mode=True``.
-        """
-        check_pause_mode(mode)
-        state = self.pool.serving.slept(level)
-        if not (self.uses_gpu and self.config.engine_kwargs.get("enable_sleep_mode")):
-            raise ConfigurationError(
-                "sleep() needs GPU replicas launched with enable_sleep_mode=True "
-                f"(uses_gpu={self.uses_gpu}, enable_sleep_mode="
-                f"{self.config.engine_kwargs.get('enable_sleep_mode', False)}); vLLM-CPU has "
-                "no sleep mode."
-            )
-        self.pool.serving = state
-        self._call_all("sleep", level, mode)
-
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake the replicas: everything, or only ``tags`` (``["weights"]``, then
-        ``["kv_cache"]`` after a push at sleep level 2). A push made while the cache slept
-        is value-checked once everything is awake (see :meth:`resume`)."""
-        self.pool.serving = self.pool.serving.woke(tags)
-        self._call_all("wake_up", tags)
-        self.run(self.pool.serving_again())
-
-    def is_sleeping(self) -> dict[int, bool]:
-        """Whether each ready replica sleeps (at all, or in part)."""
-        return self._call_all("is_sleeping")
-
-    @property
-    def weight_version(self) -> str:
-        """The version every replica serves and restarted replicas are brought to."""
-        return self.pool.weight_version
-
-    def set_weight_version(self, version: str | int) -> None:
+    # ------------------------------------------------------------------ replicas and control
+    # FleetView (snapshot readers), Control (calls on every replica) and TorchRLEngine
+    # (AsyncVLLM's engine calls) are parts: their methods are the service's (see below).
+    async def _set_weight_version(self, version: str | int) -> None:
         """Label every replica's weights with ``version`` (restarted replicas get the label).
 
         The label replaces the weights provider's: a restarted replica then serves the
         checkpoint's weights under this label until the next push.
         """
-        self.run(self.aset_weight_version(version))
+        await self._control.label(version)
 
-    async def aset_weight_version(self, version: str | int) -> None:
-        """Async :meth:`set_weight_version`."""
-        await self.arun(self._label(str(version)))
-
-    async def _label(self, version: str) -> None:
-        self.pool.weight_version = version
-        self.pool.set_provider(None)
-        (await self.pool.call_all("set_weight_version", version)).check("set_weight_version")
-
-    def weight_versions(self) -> dict[int, str]:
-        """The version each ready replica reports serving."""
-        return self._call_all("get_weight_version")
-
-    def reset_prefix_cache(self) -> None:
-        """Drop every replica's prefix cache."""
-        self._call_all("reset_prefix_cache")
-
-    # ------------------------------------------------------------------ TorchRL's engine
-    # TorchRL's RLvLLMEngine interface (torchrl.modules.llm.backends.vllm.base), so that
-    # vLLMUpdaterV2(service) pushes through a WeightSyncScheme the service makes on first
-    # use (transport "auto"; every push verified by value on the first one, versioned).
-    def get_tp_size(self) -> int:
-        """Tensor-parallel size of each replica."""
-        return self.config.tensor_parallel_size
-
-    def get_model_metadata(self) -> dict[str, tuple[Any, Any]]:
-        """``{name: (torch dtype, torch.Size)}`` of every tensor of the served checkpoint:
-        what a push must provide (tied LM heads are not in it)."""
-        return self._updates().metadata()
-
-    def get_master_address(self) -> str:
-        """This host's address, where a broadcast push's group has rank 0."""
-        return self._updates().master_address()
-
-    def get_master_port(self) -> int:
-        """The broadcast group's port once :meth:`init_weight_update_group` formed it; 0
-        before and with the storage transport (no group). Informational: the group picks
-        a free port itself at each change of members."""
-        return self._updates().master_port()
-
-    def init_weight_update_group(self) -> None:
-        """Make the scheme TorchRL's pushes go through and, for a broadcast, form its group
-        now (the first push then does not)."""
-        self._updates().connect()
-
-    def update_weights(self, weights) -> None:
-        """Push an iterator of ``(name, tensor)`` (the whole model, Hugging Face names) into
-        every replica as the next integer version, verified and versioned like any
-        :class:`~torchrl_vllm_ext.WeightSyncScheme` push; blocks until every replica
-        serves it. A partial iterator is refused (the replicas serve one whole version)."""
-        self._updates().update(weights)
-
-    def _updates(self):
-        if self._engine_updates is None:
-            # Named by path, as the replicas' extensions: the engine knows no transport.
-            if self.config.engine_updates_cls is None:
-                raise ConfigurationError(
-                    "this service was launched with engine_updates_cls=None: TorchRL's "
-                    "engine weight calls are off; push with a WeightSyncScheme instead."
-                )
-            self._engine_updates = load_class(self.config.engine_updates_cls)(self)
-        return self._engine_updates
+    set_weight_version, aset_weight_version = twins(_set_weight_version, owner=True)
 
     def set_weights_provider(self, provider: WeightsProvider | None) -> None:
         """Make ``provider`` bring restarted replicas to the live weights (None: nobody).
 
-        A weight-sync scheme sets itself after each push it completes.
+        A weight-sync scheme sets itself after each push it completes (on the owner).
         """
+        self._require_owner("set_weights_provider")
         self.pool.set_provider(provider)
 
     @property
     def weights_provider(self) -> WeightsProvider | None:
         return self.pool.provider
 
-    def _call_all(self, method: str, *args) -> dict[int, Any]:
-        """``method`` on every ready replica: {replica_id: answer} of those that answered;
-        a typed error if one failed, or if every one died."""
-        out = self.run(self.pool.call_all(method, *args))
-        out.check(method)
-        return dict(sorted(out.results.items()))
+    def _require_owner(self, what: str) -> None:
+        if not self.is_owner:
+            raise ConfigurationError(
+                f"{what} needs the service's owner (the process that launched it); this is a "
+                "handle in another process: push with WeightSyncUpdater, vLLMUpdaterV2 or "
+                "service.update_weights (forwarded to the owner), or from the owner."
+            )
 
     # ------------------------------------------------------------------ the event loop
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -621,16 +429,18 @@ class VLLMService:
         return coro
 
 
+delegate(VLLMService, "_view", FleetView, FLEET_VIEW)
+delegate(VLLMService, "_control", Control, CONTROL)
+delegate(VLLMService, "_control", Control, OWNER_CONTROL, owner=True)
+delegate(VLLMService, "_torchrl", TorchRLEngine, ENGINE_CALLS)
+delegate(VLLMService, "_torchrl", TorchRLEngine, OWNER_ENGINE_CALLS, owner=True)
+add_deprecated_aliases(VLLMService)
 register_engine_if_loaded(VLLMService)
 
 
-def _one_of(prompts, prompt_token_ids):
-    if (prompts is None) == (prompt_token_ids is None):
-        raise InvalidRequestError(
-            "generate() takes the prompts once: pass prompts (any vLLM form) or "
-            "prompt_token_ids=, not both and not neither."
-        )
-    return prompts if prompts is not None else prompt_token_ids
+def _attach(config: ServiceConfig, directory_actor, table, owner: str) -> VLLMService:
+    register_engine_if_loaded(VLLMService)
+    return handles.attach(VLLMService, config, directory_actor, table, owner)
 
 
 def _driver_imports() -> None:
@@ -638,22 +448,6 @@ def _driver_imports() -> None:
     # importing one package at once can see it half initialised.
     vllm_engine_api()
     register_engine(VLLMService)  # TorchRL's engine ABC, for vLLMUpdaterV2(service)
-
-
-def _wants_flat(params) -> bool:
-    """Whether a request's sampling params ask for vLLM's ``FlatLogprobs``."""
-    if isinstance(params, dict):
-        return bool(params.get("flat_logprobs", False))
-    return bool(getattr(params, "flat_logprobs", False))
-
-
-def _renamed(old: str, new: str) -> None:
-    warnings.warn(
-        f"VLLMService.{old} is deprecated and will be removed in the next release; use {new} "
-        "(same arguments, same result).",
-        DeprecationWarning,
-        stacklevel=3,
-    )
 
 
 __all__ = ["VLLMService"]

@@ -22,13 +22,17 @@ import torch
 logger = logging.getLogger(__name__)
 
 _MARKER = "tiny_model.json"
-_FORMAT_VERSION = 1  # bump when the recipe changes so cached models are rebuilt
+_FORMAT_VERSION = 2  # bump when the recipe changes so cached models are rebuilt
 HEAD_DIM = 32  # attention head width of the default models
 
-PAD_TOKEN = "<|endoftext|>"
+# Qwen2.5's special tokens, as its base models use them: <|endoftext|> ends a sequence
+# (EOS, also the pad token) and <|im_end|> ends a chat turn, so tests written for real
+# models (TorchRL's: pad = EOS, masks = tokens != pad) keep the turn ends they expect.
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = EOS_TOKEN
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
-SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END]
+SPECIAL_TOKENS = [EOS_TOKEN, IM_START, IM_END]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -213,7 +217,7 @@ def _build_tokenizer(vocab_size: int):
     tok.train_from_iterator(_corpus(), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token=IM_END,
+        eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         bos_token=None,
         unk_token=None,
@@ -357,9 +361,9 @@ def _write_model(out: Path, spec: dict) -> None:
         num_key_value_heads=max(1, heads // 2),
         max_position_embeddings=2048,
         tie_word_embeddings=spec["tie_word_embeddings"],
-        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
         pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
-        bos_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        bos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
         dtype=spec["dtype"],
     )
     config = config_cls(**family.config_fields(config_fields, hidden, head_dim))
