@@ -109,6 +109,8 @@ class EngineLimits(NamedTuple):
     """Largest token id it accepts (max of the tokenizer's and the model's vocabularies)."""
     kv_capacity_tokens: int
     """Tokens its KV cache holds (blocks x block size)."""
+    dtype: str = "float32"
+    """The dtype it serves the weights in (``auto`` resolved: ``bfloat16``, ...)."""
 
 
 def engine_limits(vllm_config, tokenizer) -> EngineLimits:
@@ -120,6 +122,7 @@ def engine_limits(vllm_config, tokenizer) -> EngineLimits:
         max_model_len=int(model.max_model_len),
         max_token_id=int(max(vocab_max, tok_max)),
         kv_capacity_tokens=int(cache.num_gpu_blocks * cache.block_size),
+        dtype=str(model.dtype).removeprefix("torch."),
     )
 
 

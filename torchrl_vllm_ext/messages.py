@@ -75,6 +75,8 @@ class ReplicaInfo:
     """The replica process's temporary directory on its node (vLLM's rendezvous file and
     sockets; removed at shutdown, or reaped by the next start there once the process is
     dead)."""
+    dtype: str = ""
+    """The dtype the engine serves the weights in (``bfloat16``, ...; empty: not reported)."""
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ PACKED_WEIGHTS_ENV = "TORCHRL_VLLM_CPU_PACKED_WEIGHTS"
 in each replica's environment, read by the worker before its model loads."""
 
 TEST_SKIP_LOAD_ENV = "TORCHRL_VLLM_TEST_SKIP_LOAD"
-"""For tests only: ``"<version>=<checkpoint tensor name>"`` makes every worker leave that
-tensor out when it loads that version, as a broken load would (the push's value check
-must then fail it). Read from the driver's environment when a replica starts
+"""For tests only: ``"<version>=<checkpoint tensor name>"`` (several, comma-separated) makes
+every worker leave that tensor out when it loads that version, as a broken load would (the
+push's value check must then fail it). Read from the driver's environment when a replica starts
 (``engine.cluster.process_env``) and by the worker extension at each load."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from torchrl_vllm_ext.cli import build_parser
 from torchrl_vllm_ext.jobs import check_model, support_table
 from torchrl_vllm_ext.protocol import TEST_SKIP_LOAD_ENV
@@ -36,21 +38,34 @@ def test_check_model_passes_a_served_family(tmp_path, capsys, ray_cluster):
     assert table[2].startswith(f"| {path.name} | Phi3ForCausalLM | yes (")
 
 
-def test_check_model_fails_a_push_that_does_not_arrive(tmp_path, capsys, ray_cluster):
+def test_check_model_passes_phi3_served_in_bfloat16(tmp_path, capsys, ray_cluster):
+    # Phi-3 in bf16: the push the old fixed 16-bit tolerance refused although it arrived.
+    path = make_tiny_model(tmp_path / "phi3", arch="phi3", tie_word_embeddings=False, seed=2)
+    code, result = run_check(capsys, path, "--dtype", "bfloat16", "--output", tmp_path, "-v")
+    assert code == 0, result
+    assert set(result["checks"]) == {"bf16_serve", "bf16_storage", "bf16_broadcast"}
+    assert all(c["ok"] for c in result["checks"].values()), result
+    table = support_table.render_table([result]).splitlines()
+    assert table[2].count("yes (") == 3
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_check_model_fails_a_push_that_does_not_arrive(tmp_path, capsys, ray_cluster, dtype):
     path = make_tiny_model(tmp_path / "qwen3", arch="qwen3", seed=2)
     # The replica's worker leaves one tensor out of the storage push's load.
     os.environ[TEST_SKIP_LOAD_ENV] = "check-storage=model.layers.1.self_attn.o_proj.weight"
     try:
         code, result = run_check(
-            capsys, path, "--transports", "storage", "--output", tmp_path, "-v"
+            capsys, path, "--transports", "storage", "--dtype", dtype, "--output", tmp_path, "-v"
         )
     finally:
         del os.environ[TEST_SKIP_LOAD_ENV]
+    prefix = check_model.DTYPES[dtype]
     assert code == 1
-    assert result["checks"]["serve"]["ok"] is True
-    storage = result["checks"]["storage"]
+    assert result["checks"][prefix + "serve"]["ok"] is True
+    storage = result["checks"][prefix + "storage"]
     assert storage["ok"] is False and "probe sequence differ" in storage["error"]
-    assert "broadcast" not in result["checks"]
+    assert prefix + "broadcast" not in result["checks"]
 
 
 def test_check_model_reports_vllms_reason(tmp_path, ray_cluster):

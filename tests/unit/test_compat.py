@@ -49,7 +49,9 @@ class _AsyncLLM026:
         self.engine_core = _Core(self.calls, self.pause_name)
         self.renderer = SimpleNamespace(clear_mm_cache_async=self._clear)
         self.vllm_config = SimpleNamespace(
-            model_config=SimpleNamespace(get_vocab_size=lambda: 100, max_model_len=64),
+            model_config=SimpleNamespace(
+                get_vocab_size=lambda: 100, max_model_len=64, dtype="float32"
+            ),
             cache_config=SimpleNamespace(num_gpu_blocks=4, block_size=16),
         )
         self.tokenizer = None

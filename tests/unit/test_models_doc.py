@@ -32,9 +32,11 @@ def test_every_family_of_the_matrix_has_a_row_with_every_check():
         checks = result["checks"]
         assert {c for names in COLUMNS.values() for c in names} <= set(checks), row
         for name, check in checks.items():
-            # A cell is "yes" only for a test that passed, within the matrix's 1e-4.
+            # A cell is "yes" only for a test that passed, within the matrix's 1e-4 (bf16
+            # replicas: within the value check's limit, recorded beside the gap).
             assert check["ok"] is True or check.get("engine"), (row, name, check)
-            assert check["gap"] is None or check["gap"] < 1e-4, (row, name)
+            limit = check.get("limit") or 1e-4
+            assert check["gap"] is None or check["gap"] <= limit, (row, name)
 
 
 def test_replace_table_keeps_the_document_around_the_markers():

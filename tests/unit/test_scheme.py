@@ -35,9 +35,10 @@ class Remote:
 
 
 class Replica:
-    def __init__(self, rid, fail_load=False, probe_offset=0.0):
+    def __init__(self, rid, fail_load=False, probe_offset=0.0, dtype="float32"):
         self.rid, self.fail_load, self.version = rid, fail_load, "0"
         self.probe_offset = probe_offset  # a load that left the served weights wrong
+        self.dtype = dtype  # the dtype it serves (and computes) in
         self.update_weights = Remote(self._update)
         self.probe_logprobs = Remote(self._probe)
         self.set_weight_version = Remote(self._set)
@@ -53,7 +54,8 @@ class Replica:
         self.version = version
 
     def _probe(self, ids):
-        return [v + self.probe_offset for v in model_logprobs(Trainer(), ids)]
+        served = getattr(torch, self.dtype)
+        return [v + self.probe_offset for v in model_logprobs(Trainer(), ids, served)]
 
 
 class Trainer(torch.nn.Module):
@@ -65,12 +67,13 @@ class Trainer(torch.nn.Module):
         self.model.w = torch.nn.Parameter(torch.ones(2, 2))
 
     def forward(self, input_ids):
-        scale = (input_ids[..., None] % 5 + 1).float()
-        return SimpleNamespace(logits=torch.arange(64).float() * 0.01 * scale)
+        w = self.model.w  # computed in its dtype: 16-bit rounds the logits
+        scale = (input_ids[..., None] % 5 + 1).to(w.dtype)
+        return SimpleNamespace(logits=torch.arange(64, dtype=w.dtype) * 0.01 * scale * w.mean())
 
 
 def view(replica: Replica) -> ReplicaView:
-    info = ReplicaInfo(replica.rid, 0, "127.0.0.1", 256, 100, 4096)
+    info = ReplicaInfo(replica.rid, 0, "127.0.0.1", 256, 100, 4096, dtype=replica.dtype)
     return ReplicaView(replica.rid, replica, info)
 
 
@@ -216,6 +219,36 @@ def test_a_push_whose_every_replica_fails_the_probe_rolls_back(model_dir):
     with pytest.raises(WeightSyncError, match="probe sequence differ"):
         scheme.push(Trainer(), version=6)
     assert scheme.transport_impl.events[-1] == ("rollback", "6") and scheme.version is None
+
+
+def test_a_16_bit_replica_is_judged_against_the_push_s_own_rounding_noise(model_dir):
+    # A bfloat16 replica sits a rounding away from the float32 trainer: more than
+    # float32's 1e-3, within 3x what the trainer itself shows in bfloat16.
+    replicas = [Replica(0, dtype="bfloat16"), Replica(1, dtype="bfloat16")]
+    _service, scheme = scheme_for(model_dir, replicas, verify=True)
+    report = scheme.push(Trainer(), version=4)
+    assert report.probe_noise > 1e-3 and report.probe_limit == 3 * report.probe_noise
+    assert 1e-3 < max(report.probe_gap.values()) <= report.probe_limit
+    # The same trainer in bfloat16: its reference is still computed in float32.
+    assert scheme.push(Trainer().to(torch.bfloat16), version=5).probe_gap[0] > 1e-3
+
+
+def test_a_16_bit_replica_that_missed_weights_still_fails(model_dir):
+    replicas = [Replica(0, dtype="bfloat16", probe_offset=0.5)]
+    service, scheme = scheme_for(model_dir, replicas, verify=True)
+    service.pool.discard = lambda view, error, what: None
+    with pytest.raises(WeightSyncError, match=r"by 0.49.* on average \(limit .*rounding noise"):
+        scheme.push(Trainer(), version=6)
+
+
+def test_a_float32_replica_keeps_the_fixed_limit_and_verify_tol_overrides(model_dir):
+    _service, scheme = scheme_for(model_dir, [Replica(0)], verify=True)
+    report = scheme.push(Trainer(), version=1)
+    assert (report.probe_limit, report.probe_noise) == (1e-3, 0.0)
+    scheme.verify_tol = 0.25
+    assert scheme.push(Trainer(), version=2).probe_limit == 0.25
+    with pytest.raises(ConfigurationError, match="verify_tol=0"):
+        WeightSyncScheme(_service, transport="storage", verify_tol=0)
 
 
 def test_by_default_only_the_first_successful_push_is_verified(model_dir):

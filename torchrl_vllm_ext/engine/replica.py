@@ -193,6 +193,7 @@ class VLLMReplica:
             max_token_id=limits.max_token_id,
             kv_capacity_tokens=limits.kv_capacity_tokens,
             temp_dir=str(self._tmp),
+            dtype=limits.dtype,
         )
         logger.info("replica %d ready: %s", self.replica_id, info)
         return info

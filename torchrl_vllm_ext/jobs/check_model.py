@@ -3,8 +3,10 @@
 Run it once on a model before a long run::
 
     torchrl-vllm check-model MODEL_DIR [--transports storage broadcast] [--lora] [--output DIR]
+        [--dtype bfloat16]
 
-One replica on ``MODEL_DIR`` in float32, then, against transformers on the same weights:
+One replica on ``MODEL_DIR`` in float32 (``--dtype``: the dtype it serves), then, against
+transformers on the same weights:
 
 1. **serve**: the replica's log-probs of a fixed sequence (the weight sync's probe) and
    of 8 greedily generated tokens equal transformers' within ``--tol`` (max |gap|);
@@ -14,6 +16,12 @@ One replica on ``MODEL_DIR`` in float32, then, against transformers on the same 
 3. **lora** (``--lora``, a second replica with LoRA on): a random PEFT adapter on every
    linear layer pushed with :class:`~torchrl_vllm_ext.AdapterSync`; its log-probs equal
    the PEFT model's.
+
+In 16-bit (``--dtype bfloat16`` / ``float16``) "equal" is the value check's rule: mean
+|gap| to transformers in float32 within 3x the rounding noise transformers itself shows in
+that dtype (``weight_sync.verify.Reference``); the pushes run the scheme's default check,
+which must pass; the checks are named ``bf16_serve``, ... (``fp16_``), the table's 16-bit
+columns.
 
 It prints one line per check and, last, one JSON object (:func:`check_model`'s result,
 also written to ``DIR/<model>.json``; the log, vLLM's and the replica's lines included,
@@ -49,6 +57,8 @@ logger = logging.getLogger(__name__)
 TRANSPORTS = ("storage", "broadcast")
 TOLERANCE = 1e-4
 """Max |replica - transformers| log-prob in float32 (the tests' bound)."""
+DTYPES = {"float32": "", "bfloat16": "bf16_", "float16": "fp16_"}
+"""Served dtypes and the prefix of their checks' names."""
 GENERATED_TOKENS = 8
 ENGINE_KWARGS = {"dtype": "float32", "max_model_len": 256, "enforce_eager": True}
 """The replica's engine arguments: exact (fp32), short context, no graph capture."""
@@ -107,7 +117,15 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="weight-sync transports to round-trip (default: both)",
     )
     p.add_argument("--lora", action="store_true", help="also push a LoRA adapter (2nd replica)")
-    p.add_argument("--tol", type=float, default=TOLERANCE, help=f"max |gap| ({TOLERANCE:g})")
+    p.add_argument(
+        "--tol", type=float, default=TOLERANCE, help=f"max |gap| in float32 ({TOLERANCE:g})"
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=list(DTYPES),
+        help="the dtype the replica serves (default float32)",
+    )
     p.add_argument(
         "--output",
         type=Path,
@@ -141,7 +159,12 @@ def run(args: argparse.Namespace) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     log_file = None if args.verbose else job_log_file(args.output)
     result = check_model(
-        args.model, transports=args.transports, lora=args.lora, tol=args.tol, log_file=log_file
+        args.model,
+        transports=args.transports,
+        lora=args.lora,
+        tol=args.tol,
+        dtype=args.dtype,
+        log_file=log_file,
     )
     for name, check in result.checks.items():
         print(_line(name, check))
@@ -164,18 +187,28 @@ def check_model(
     transports=TRANSPORTS,
     lora: bool = False,
     tol: float = TOLERANCE,
+    dtype: str = "float32",
     **launch_kwargs,
 ) -> ModelCheck:
     """Serve ``model`` on one replica, score it against transformers, round-trip pushes.
 
     ``launch_kwargs`` go to :meth:`VLLMService.launch` (e.g. ``cpus_per_replica``,
-    ``kv_cache_memory_bytes``); the engine runs in float32. Never raises for a failed
-    check: each is a :class:`Check` of the result.
+    ``kv_cache_memory_bytes``); the engine serves ``dtype`` (``tol``: the float32 bound;
+    16-bit checks use the value check's rule). Never raises for a failed check: each is a
+    :class:`Check` of the result, named with the dtype's prefix (``bf16_serve``, ...).
     """
+    from torchrl_vllm_ext.errors import ConfigurationError
+
+    if dtype not in DTYPES:
+        raise ConfigurationError(f"dtype={dtype!r} is not one of {list(DTYPES)}.")
+    launch_kwargs = {**launch_kwargs, "dtype": dtype}
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from torchrl_vllm_ext.weight_sync.verify import reference_attention
+
+    judge = Judge(dtype, tol)
+    serve, lora_name = DTYPES[dtype] + "serve", DTYPES[dtype] + "lora"
 
     model = Path(model)
     start = time.perf_counter()
@@ -184,26 +217,28 @@ def check_model(
     trainer = AutoModelForCausalLM.from_pretrained(
         model, dtype=torch.float32, **reference_attention(config)
     ).eval()
-    with _one_replica(model, launch_kwargs, result.checks, "serve") as service:
+    with _one_replica(model, launch_kwargs, result.checks, serve) as service:
         if service is not None:
-            _run(result.checks, "serve", lambda: _serve_gap(service, trainer, tol))
+            _run(result.checks, serve, lambda: _serve_gap(service, trainer, judge))
             for i, transport in enumerate(transports):  # also after a serve mismatch
                 _run(
                     result.checks,
-                    transport,
-                    lambda t=transport, s=i + 1: _push_gap(service, trainer, t, s, tol),
+                    DTYPES[dtype] + transport,
+                    lambda t=transport, s=i + 1: _push_gap(service, trainer, t, s, judge),
                 )
         else:
             for transport in transports:
-                result.checks[transport] = Check(error="not run: the model was not served")
+                result.checks[DTYPES[dtype] + transport] = Check(
+                    error="not run: the model was not served"
+                )
     if lora:
-        if result.checks["serve"].engine:  # vLLM refused the model itself
-            result.checks["lora"] = Check(error="not run: the model was not served")
+        if result.checks[serve].engine:  # vLLM refused the model itself
+            result.checks[lora_name] = Check(error="not run: the model was not served")
         else:
             lora_kwargs = {**launch_kwargs, "enable_lora": True, "max_lora_rank": LORA_RANK}
-            with _one_replica(model, lora_kwargs, result.checks, "lora") as service:
+            with _one_replica(model, lora_kwargs, result.checks, lora_name) as service:
                 if service is not None:
-                    _run(result.checks, "lora", lambda: _lora_gap(service, model, tol))
+                    _run(result.checks, lora_name, lambda: _lora_gap(service, model, judge))
     result.seconds = time.perf_counter() - start
     return result
 
@@ -243,9 +278,31 @@ def _run(checks: dict, name: str, fn) -> None:
     checks[name] = Check(ok, gap, error, time.perf_counter() - t0, probe_gap=probe_gap)
 
 
-def _verdict(gap: float, tol: float) -> tuple[bool, float, str | None]:
+def _verdict(gap: float, tol: float, what: str = "max") -> tuple[bool, float, str | None]:
     ok = gap <= tol  # False for NaN
-    return ok, gap, None if ok else f"max |gap| {gap:.3g} > {tol:g}"
+    return ok, gap, None if ok else f"{what} |gap| {gap:.3g} > {tol:.3g}"
+
+
+@dataclass(frozen=True)
+class Judge:
+    """How a check compares the replica's log-probs with transformers' in the served dtype:
+    max |gap| <= ``tol`` in float32; in 16-bit the value check's rule (mean |gap| to
+    float32 within :attr:`~torchrl_vllm_ext.weight_sync.verify.Reference.limit`)."""
+
+    dtype: str
+    tol: float
+
+    def __call__(self, model, ids: list[int], got: list[float], last: int = 0):
+        """The verdict on ``got``, the replica's log-probs of ``ids[1:]`` (or of the last
+        ``last`` of them)."""
+        from torchrl_vllm_ext.weight_sync.verify import mean_gap, model_logprobs, reference
+
+        if self.dtype == "float32":
+            ref = model_logprobs(model, ids)
+            return _verdict(_gap(ref[-last:] if last else ref, got), self.tol)
+        expected = reference(model, ids, self.dtype)
+        ref = expected.logprobs[-last:] if last else expected.logprobs
+        return _verdict(mean_gap(ref, got), expected.limit, "mean")
 
 
 def _scored(service, ids: list[int], lora=None) -> list[float]:
@@ -262,20 +319,21 @@ def _gap(reference: list[float], got: list[float]) -> float:
     return max((abs(a - b) for a, b in zip(reference, got, strict=True)), default=0.0)
 
 
-def _serve_gap(service, trainer, tol: float):
-    """Scored probe and greedily generated tokens against transformers."""
-    from torchrl_vllm_ext.weight_sync.verify import model_logprobs, probe_ids
+def _serve_gap(service, trainer, judge: Judge):
+    """Scored probe and greedily generated tokens against transformers (the worse)."""
+    from torchrl_vllm_ext.weight_sync.verify import probe_ids
 
     ids = probe_ids(service.config.model)
-    gap = _gap(model_logprobs(trainer, ids), _scored(service, ids))
+    scored = judge(trainer, ids, _scored(service, ids))
     (data,) = service.generate_request_data(
         [ids[:8]], {"max_tokens": GENERATED_TOKENS, "temperature": 0.0, "ignore_eos": True}
     )
     sample = data.samples[0]
     full = ids[:8] + [int(t) for t in sample.token_ids]
-    reference = model_logprobs(trainer, full)[-len(sample.token_ids) :]
-    gap = max(gap, _gap(reference, [float(x) for x in sample.logprobs]))
-    return _verdict(gap, tol)
+    got = [float(x) for x in sample.logprobs]
+    generated = judge(trainer, full, got, last=len(got))
+    failed = [v for v in (scored, generated) if not v[0]]
+    return failed[0] if failed else max(scored, generated, key=lambda v: v[1])
 
 
 def perturb(model, seed: int) -> None:
@@ -288,29 +346,35 @@ def perturb(model, seed: int) -> None:
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
 
-def _push_gap(service, trainer, transport: str, seed: int, tol: float):
-    """Perturb, push with the value check, then score the probe again."""
+def _push_gap(service, trainer, transport: str, seed: int, judge: Judge):
+    """Perturb, push with the value check (its default limit), then score the probe again."""
     from torchrl_vllm_ext import WeightSyncScheme
-    from torchrl_vllm_ext.weight_sync.verify import model_logprobs, probe_ids
+    from torchrl_vllm_ext.weight_sync.verify import probe_ids
 
     service.run(service.pool.wait_ready())  # a replica a failed check restarted is back
     perturb(trainer, seed)
     with WeightSyncScheme(service, transport=transport, verify="always") as scheme:
         report = scheme.push(trainer, version=f"check-{transport}")
     ids = probe_ids(service.config.model)
-    gap = _gap(model_logprobs(trainer, ids), _scored(service, ids))
-    logger.info("%s push: probe gap %s, max |gap| %.2e", transport, report.probe_gap, gap)
-    return (*_verdict(gap, tol), max(report.probe_gap.values(), default=None))
+    verdict = judge(trainer, ids, _scored(service, ids))
+    logger.info(
+        "%s push: probe gap %s (limit %.3g), |gap| %.2e",
+        transport,
+        report.probe_gap,
+        report.probe_limit,
+        verdict[1],
+    )
+    return (*verdict, max(report.probe_gap.values(), default=None))
 
 
-def _lora_gap(service, model_dir: Path, tol: float):
+def _lora_gap(service, model_dir: Path, judge: Judge):
     """A random PEFT adapter on every linear layer, pushed with AdapterSync."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from torchrl_vllm_ext import AdapterSync
-    from torchrl_vllm_ext.weight_sync.verify import model_logprobs, probe_ids, reference_attention
+    from torchrl_vllm_ext.weight_sync.verify import probe_ids, reference_attention
 
     config = AutoConfig.from_pretrained(model_dir)
     base = AutoModelForCausalLM.from_pretrained(
@@ -331,7 +395,7 @@ def _lora_gap(service, model_dir: Path, tol: float):
         with AdapterSync(service, "check", keep=1, storage_dir=root) as sync:
             sync.push(adapter, 1)
             got = _scored(service, ids, lora=sync.current)
-    return _verdict(_gap(model_logprobs(adapter, ids), got), tol)
+    return judge(adapter, ids, got)
 
 
 if __name__ == "__main__":

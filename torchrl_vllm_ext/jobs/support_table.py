@@ -36,9 +36,16 @@ COLUMNS = {  # header -> the checks of a row it sums up (all must pass)
     "broadcast": ("broadcast",),
     "lora": ("lora",),
     "bad push refused": ("refuse_missing", "refuse_shape"),
-    "bf16 push": ("cast",),
+    "bf16 trainer": ("cast",),
+    "bf16 serve": ("bf16_serve",),
+    "bf16 storage": ("bf16_storage",),
+    "bf16 broadcast": ("bf16_broadcast",),
+    "bf16 lora": ("bf16_lora",),
+    "bf16 trainer on bf16": ("bf16_cast",),
 }
-"""The table's check columns; the family matrix runs them all, ``check-model`` the first four."""
+"""The table's check columns: float32 replicas, then (``bf16_*`` checks) bfloat16 ones. The
+family matrix runs them all; ``check-model`` serve, storage, broadcast, lora (``--dtype
+bfloat16``: their bf16 columns)."""
 TABLE_START, TABLE_END = "<!-- support-table:start -->", "<!-- support-table:end -->"
 
 
@@ -73,7 +80,7 @@ def render_table(results: list[dict]) -> str:
         >>> row = {"family": "qwen3", "architecture": "Qwen3ForCausalLM",
         ...        "checks": {"serve": {"ok": True, "gap": 2e-7}}}
         >>> print(render_table([row]).splitlines()[2])
-        | qwen3 | Qwen3ForCausalLM | yes (2e-07) | n/a | n/a | n/a | n/a | n/a |  |
+        | qwen3 | Qwen3ForCausalLM | yes (2e-07) | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |  |
     """
     headers = ["family", "architecture", *COLUMNS, "notes"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

@@ -48,12 +48,12 @@ from torchrl_vllm_ext.weight_sync.transports import make_transport
 from torchrl_vllm_ext.weight_sync.transports.base import Replicas
 from torchrl_vllm_ext.weight_sync.verify import (
     ProbeResult,
+    Reference,
     ReferenceModel,
-    default_tolerance,
     mean_gap,
-    model_logprobs,
     plain_causal_lm,
     probe_ids,
+    reference,
 )
 from torchrl_vllm_ext.weight_sync.versions import collector_next_version
 
@@ -87,13 +87,20 @@ class SyncReport:
     reference (the trainer's probe log-probs, beside prepare), verify (every replica's
     probe, after its pause)."""
     probe_gap: dict[int, float] = field(default_factory=dict)
-    """Per replica: mean |replica - trainer| log-prob over the probe (empty: not verified)."""
+    """Per replica: mean |replica - trainer (float32)| log-prob over the probe (empty: not
+    verified)."""
     staged_in: dict[int, str] = field(default_factory=dict)
     """GPU replicas: where each staged the version before its pause (``device``, or
     ``pinned`` host memory when its GPU lacked room)."""
     probe_deferred: list[int] = field(default_factory=list)
     """Replicas loaded while paused or with their KV cache asleep: their value check runs
     when the service serves again (``resume`` / ``wake_up``), which raises if it fails."""
+    probe_limit: float | None = None
+    """The largest ``probe_gap`` this push allowed (None: not verified): ``verify_tol``, or
+    ``max(1e-3, 3 x probe_noise)`` (:attr:`~torchrl_vllm_ext.weight_sync.verify.Reference.limit`)."""
+    probe_noise: float | None = None
+    """Mean |served dtype - float32| log-prob over the probe, both computed by the trainer
+    with the pushed weights (0 for float32 replicas; None: not verified)."""
 
     @property
     def gb_per_s(self) -> float:
@@ -152,8 +159,10 @@ class WeightSyncScheme:
             weights in this process); a replica that fails is restarted and the push
             raises :class:`WeightSyncError`. It costs one forward pass here and one per
             replica (+20-70% on a 355 MB push on 2 cores: docs/architecture.md).
-        verify_tol: mean |log-prob gap| allowed over the probe (default: 1e-3 for
-            replicas serving float32, 5e-2 otherwise).
+        verify_tol: mean |log-prob gap| allowed over the probe; default: derived at each
+            push, 1e-3 for replicas serving float32, and for 16-bit replicas 3 times the
+            push's own rounding noise (the trainer scores the probe with the pushed weights
+            in float32 and in the served dtype; ``SyncReport.probe_noise``), at least 1e-3.
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
@@ -215,12 +224,15 @@ class WeightSyncScheme:
         self.names = CheckpointNames(service.config.model, self.expected)
         self.verified_pushes = 0
         # A verified push's check of the replicas that could not run the probe yet:
-        # (version, trainer's log-probs, replica ids), run when the service serves again.
-        self._deferred: tuple[str, list[float], set[int]] | None = None
+        # (version, trainer's reference, replica ids), run when the service serves again.
+        self._deferred: tuple[str, Reference, set[int]] | None = None
         self._unhook = service.pool.when_serving(_weak_hook(self._check_deferred))
-        self.verify_tol = verify_tol or default_tolerance(
-            str(service.config.engine_kwargs.get("dtype", "auto"))
-        )
+        if verify_tol is not None and not verify_tol > 0:
+            raise ConfigurationError(
+                f"verify_tol={verify_tol!r} must be a positive mean log-prob gap, or None to "
+                "derive the limit at each push from the served dtype."
+            )
+        self.verify_tol = verify_tol
         self._probe = probe_ids(service.config.model)
         self._reference_model: ReferenceModel | None = None
         self.version: str | None = None
@@ -303,8 +315,8 @@ class WeightSyncScheme:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         phases = {"validate": time.perf_counter() - start}
-        reference = self._start_reference(source.scorer, tensors, phases)
         replicas = list(self.service.pool.ready())
+        reference = self._start_reference(source.scorer, tensors, phases, replicas)
         try:
             call = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
         except BaseException:
@@ -347,7 +359,27 @@ class WeightSyncScheme:
             gaps,
             dict(transport.staged_in),
             deferred,
+            probe_limit=self._limit(expected) if expected is not None else None,
+            probe_noise=expected.noise if expected is not None else None,
         )
+
+    def _limit(self, expected: Reference) -> float:
+        return self.verify_tol if self.verify_tol is not None else expected.limit
+
+    def _served_dtype(self, replicas: Replicas) -> str:
+        """The dtype the replicas serve (as they report it; the configured one otherwise)."""
+        reported = {r.info.dtype for r in replicas if getattr(r.info, "dtype", "")}
+        if len(reported) > 1:
+            raise ConfigurationError(
+                f"replicas serve the weights in different dtypes {sorted(reported)}: the value "
+                "check has one reference; launch them with one dtype= or push with "
+                "verify='never'."
+            )
+        if reported:
+            return reported.pop()
+        configured = str(self.service.config.engine_kwargs.get("dtype", "auto"))
+        # NOTE: vLLM serves a float32 checkpoint in bfloat16 under "auto" on GPUs.
+        return "bfloat16" if configured == "auto" else configured
 
     def _verified(self) -> None:
         self.verified_pushes += 1
@@ -361,28 +393,31 @@ class WeightSyncScheme:
             tensors = self.names.to_checkpoint(tensors, source.module)
         return tensors
 
-    def _start_reference(self, weights, tensors, phases: dict) -> asyncio.Future | None:
-        """The trainer's probe log-probs, computed in a thread while the bytes move
-        (``weights``: the module that may score them itself, else None)."""
+    def _start_reference(
+        self, weights, tensors, phases: dict, replicas: Replicas
+    ) -> asyncio.Future | None:
+        """The trainer's :class:`Reference` for the probe, computed in a thread while the
+        bytes move (``weights``: the module that may score them itself, else None)."""
         if self.verify == "never" or (self.verify == "first" and self.verified_pushes):
             return None
+        dtype = self._served_dtype(replicas)
 
-        def run() -> list[float]:
+        def run() -> Reference:
             t0 = time.perf_counter()
             if plain_causal_lm(weights):
-                out = model_logprobs(weights, self._probe)
+                out = reference(weights, self._probe, dtype)
             else:
                 if self._reference_model is None:
                     self._reference_model = ReferenceModel(
                         self.service.config.model, self.names.checkpoint_writers
                     )
-                out = self._reference_model.logprobs(tensors, self._probe)
+                out = self._reference_model.reference(tensors, self._probe, dtype)
             phases["reference"] = time.perf_counter() - t0
             return out
 
         return asyncio.ensure_future(asyncio.to_thread(run))
 
-    async def _reference_or_rollback(self, reference, version: str) -> list[float] | None:
+    async def _reference_or_rollback(self, reference, version: str) -> Reference | None:
         """The trainer's probe log-probs, awaited before any replica loads: a model the
         check cannot run fails the push while every replica still serves its weights."""
         if reference is None:
@@ -436,7 +471,10 @@ class WeightSyncScheme:
                         f"replica {rid} left the pool before version {version} was verified."
                     )
                 continue
-            result = ProbeResult(rid, mean_gap(expected, probes.results[rid]), self.verify_tol)
+            gap = mean_gap(expected.logprobs, probes.results[rid])
+            # The noise is named in a refusal only where the limit was derived from it.
+            noise = expected.noise if self.verify_tol is None else 0.0
+            result = ProbeResult(rid, gap, self._limit(expected), noise)
             loaded.results[rid]["probe_gap"] = result.gap
             if not result.ok:
                 error = result.error(version)

@@ -281,14 +281,23 @@ class WeightSyncWorkerExtension:
 
 
 def _skip_for_test(named_tensors, version: str):
-    """Leave out the tensor a test names for ``version`` (:data:`TEST_SKIP_LOAD_ENV`)."""
-    knob = os.environ.get(TEST_SKIP_LOAD_ENV)
-    if not knob:
-        return named_tensors
-    skip_version, _, skip_name = knob.partition("=")
-    if skip_version != version:
+    """Leave out the tensors a test names for ``version`` (:data:`TEST_SKIP_LOAD_ENV`)."""
+    skip = skipped_for_test(os.environ.get(TEST_SKIP_LOAD_ENV, ""), version)
+    if not skip:
         return named_tensors
     logger.warning(
-        "test hook %s: not loading %r of version %s", TEST_SKIP_LOAD_ENV, skip_name, version
+        "test hook %s: not loading %s of version %s", TEST_SKIP_LOAD_ENV, sorted(skip), version
     )
-    return [(n, t) for n, t in named_tensors if n != skip_name]
+    return [(n, t) for n, t in named_tensors if n not in skip]
+
+
+def skipped_for_test(knob: str, version: str) -> set[str]:
+    """The tensors ``knob`` (``"<version>=<tensor>[,<version>=<tensor>...]"``) names for
+    ``version``: one replica start serves many broken pushes.
+
+    Examples:
+        >>> sorted(skipped_for_test("v1=a.w,v2=b.w,v1=c.w", "v1"))
+        ['a.w', 'c.w']
+    """
+    entries = (entry.partition("=") for entry in knob.split(",") if entry)
+    return {name for v, _, name in entries if v == version}
