@@ -39,29 +39,21 @@ import torch
 from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.engine.base import check_pause_mode
 from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaView
-from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, WeightSyncError
+from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
+from torchrl_vllm_ext.weight_sync.arrival import ArrivalCheck
 from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames
 from torchrl_vllm_ext.weight_sync.packing import DEFAULT_BUCKET_BYTES
 from torchrl_vllm_ext.weight_sync.params import expected_specs, torch_dtype, validate
 from torchrl_vllm_ext.weight_sync.sources import PushSource, full_push_source
 from torchrl_vllm_ext.weight_sync.transports import make_transport
 from torchrl_vllm_ext.weight_sync.transports.base import Replicas
-from torchrl_vllm_ext.weight_sync.verify import (
-    ProbeResult,
-    Reference,
-    ReferenceModel,
-    mean_gap,
-    plain_causal_lm,
-    probe_ids,
-    reference,
-)
+from torchrl_vllm_ext.weight_sync.verify import Reference
 from torchrl_vllm_ext.weight_sync.versions import collector_next_version
 
 logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("auto", "broadcast", "storage", "ipc")
 ROLLOUTS = ("parallel", "rolling")
-VERIFY = ("first", "always", "never")
 
 
 @dataclass
@@ -194,10 +186,10 @@ class WeightSyncScheme:
             timeout = timeout_s
         if rollout not in ROLLOUTS:
             raise ConfigurationError(f"rollout={rollout!r} is not one of {ROLLOUTS}.")
-        self.verify = {True: "always", False: "never"}.get(verify, verify)
-        if self.verify not in VERIFY:
-            raise ConfigurationError(f"verify={verify!r} is not one of {VERIFY} (or a bool).")
         check_pause_mode(pause_mode)
+        self.expected = expected_specs(service.config.model)
+        self.names = CheckpointNames(service.config.model, self.expected)
+        self.arrival = ArrivalCheck(service, self.names, verify, verify_tol)
         deadline = deadline or Deadline()
         if timeout is not None:
             deadline = Deadline(fixed_s=timeout, min_bytes_per_s=deadline.min_bytes_per_s)
@@ -220,21 +212,7 @@ class WeightSyncScheme:
             )
         self.pause_mode = pause_mode
         self.rollout = rollout
-        self.expected = expected_specs(service.config.model)
-        self.names = CheckpointNames(service.config.model, self.expected)
-        self.verified_pushes = 0
-        # A verified push's check of the replicas that could not run the probe yet:
-        # (version, trainer's reference, replica ids), run when the service serves again.
-        self._deferred: tuple[str, Reference, set[int]] | None = None
         self._unhook = service.pool.when_serving(_weak_hook(self._check_deferred))
-        if verify_tol is not None and not verify_tol > 0:
-            raise ConfigurationError(
-                f"verify_tol={verify_tol!r} must be a positive mean log-prob gap, or None to "
-                "derive the limit at each push from the served dtype."
-            )
-        self.verify_tol = verify_tol
-        self._probe = probe_ids(service.config.model)
-        self._reference_model: ReferenceModel | None = None
         self.version: str | None = None
         self._nbytes = 0
         self.last_report: SyncReport | None = None
@@ -299,9 +277,8 @@ class WeightSyncScheme:
 
     async def _push(self, weights, version: str) -> SyncReport:
         transport = self.transport_impl
-        if self._deferred is not None:  # this push's own check covers those replicas
-            logger.info("version %s: its deferred value check is superseded", self._deferred[0])
-            self._deferred = None
+        arrival = self.arrival
+        arrival.supersede()
         start = time.perf_counter()
         source = await asyncio.to_thread(full_push_source, weights)
 
@@ -316,7 +293,7 @@ class WeightSyncScheme:
         self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         phases = {"validate": time.perf_counter() - start}
         replicas = list(self.service.pool.ready())
-        reference = self._start_reference(source.scorer, tensors, phases, replicas)
+        reference = arrival.start_reference(source.scorer, tensors, phases, replicas)
         try:
             call = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
         except BaseException:
@@ -341,14 +318,14 @@ class WeightSyncScheme:
             raise self._load_error(loads, version, loaded=[])
         await transport.commit(version)
         self.version = version
-        if expected is not None and self._deferred is None:
-            self._verified()
+        if expected is not None and arrival.deferred is None:
+            arrival.verified()
         self.service.set_weights_provider(self)
         if loads.errors:
             raise self._load_error(loads, version, loaded=sorted(loads.results))
         pauses = {rid: t["pause_s"] for rid, t in loads.results.items()}
         gaps = {rid: t["probe_gap"] for rid, t in loads.results.items() if "probe_gap" in t}
-        deferred = sorted(self._deferred[2]) if self._deferred else []
+        deferred = sorted(arrival.deferred[2]) if arrival.deferred else []
         return SyncReport(
             version,
             transport.name,
@@ -359,32 +336,9 @@ class WeightSyncScheme:
             gaps,
             dict(transport.staged_in),
             deferred,
-            probe_limit=self._limit(expected) if expected is not None else None,
+            probe_limit=arrival.limit(expected) if expected is not None else None,
             probe_noise=expected.noise if expected is not None else None,
         )
-
-    def _limit(self, expected: Reference) -> float:
-        return self.verify_tol if self.verify_tol is not None else expected.limit
-
-    def _served_dtype(self, replicas: Replicas) -> str:
-        """The dtype the replicas serve (as they report it; the configured one otherwise)."""
-        reported = {r.info.dtype for r in replicas if getattr(r.info, "dtype", "")}
-        if len(reported) > 1:
-            raise ConfigurationError(
-                f"replicas serve the weights in different dtypes {sorted(reported)}: the value "
-                "check has one reference; launch them with one dtype= or push with "
-                "verify='never'."
-            )
-        if reported:
-            return reported.pop()
-        configured = str(self.service.config.engine_kwargs.get("dtype", "auto"))
-        # NOTE: vLLM serves a float32 checkpoint in bfloat16 under "auto" on GPUs.
-        return "bfloat16" if configured == "auto" else configured
-
-    def _verified(self) -> None:
-        self.verified_pushes += 1
-        if self.verify == "first":
-            self._reference_model = None  # not needed again: free its copy of the weights
 
     def _checkpoint_named(self, source: PushSource) -> dict[str, torch.Tensor]:
         """The pushed tensors under the checkpoint's names (transformers' fused names mapped)."""
@@ -392,30 +346,6 @@ class WeightSyncScheme:
         if self.names.needed(tensors):
             tensors = self.names.to_checkpoint(tensors, source.module)
         return tensors
-
-    def _start_reference(
-        self, weights, tensors, phases: dict, replicas: Replicas
-    ) -> asyncio.Future | None:
-        """The trainer's :class:`Reference` for the probe, computed in a thread while the
-        bytes move (``weights``: the module that may score them itself, else None)."""
-        if self.verify == "never" or (self.verify == "first" and self.verified_pushes):
-            return None
-        dtype = self._served_dtype(replicas)
-
-        def run() -> Reference:
-            t0 = time.perf_counter()
-            if plain_causal_lm(weights):
-                out = reference(weights, self._probe, dtype)
-            else:
-                if self._reference_model is None:
-                    self._reference_model = ReferenceModel(
-                        self.service.config.model, self.names.checkpoint_writers
-                    )
-                out = self._reference_model.reference(tensors, self._probe, dtype)
-            phases["reference"] = time.perf_counter() - t0
-            return out
-
-        return asyncio.ensure_future(asyncio.to_thread(run))
 
     async def _reference_or_rollback(self, reference, version: str) -> Reference | None:
         """The trainer's probe log-probs, awaited before any replica loads: a model the
@@ -432,79 +362,26 @@ class WeightSyncScheme:
                 "model (or its state dict), or pass verify='never'."
             ) from e
 
-    async def _verify(self, loaded: Outcomes, expected, version: str, phases: dict) -> None:
-        """Step 4: every loaded replica scores the probe; a mismatch moves it to the errors
-        and restarts it (it serves weights nobody pushed). A replica paused or with its
-        KV cache asleep cannot run the probe now: its check is deferred
-        (:meth:`_check_deferred`)."""
-        if expected is None or not loaded.results:
-            return
-        later = {rid for rid, r in loaded.results.items() if not r.get("probe_now", True)}
-        if later:
-            # One push's groups (rolling: one replica each) add to the same check.
-            earlier = (
-                self._deferred[2] if self._deferred and self._deferred[0] == version else set()
-            )
-            self._deferred = (version, expected, later | earlier)
-            logger.info(
-                "version %s: value check of replica(s) %s deferred until they serve "
-                "(paused or asleep)",
-                version,
-                sorted(later),
-            )
-        t0 = time.perf_counter()
-        pool = self.service.pool
-        views = [
-            v for v in pool.ready() if v.replica_id in loaded.results and v.replica_id not in later
-        ]
-        probes = await pool.call_all("probe_logprobs", self._probe, replicas=views)
-        loaded.dead.update(probes.dead)
-        for rid, cause in probes.errors.items():
-            loaded.errors[rid] = cause
-        for rid in list(loaded.results):
-            if rid in later:
-                continue
-            if rid not in probes.results:  # died or failed since its load: not verified
-                del loaded.results[rid]
-                if rid not in probes.errors and rid not in probes.dead:
-                    loaded.dead[rid] = ReplicaDeadError(
-                        f"replica {rid} left the pool before version {version} was verified."
-                    )
-                continue
-            gap = mean_gap(expected.logprobs, probes.results[rid])
-            # The noise is named in a refusal only where the limit was derived from it.
-            noise = expected.noise if self.verify_tol is None else 0.0
-            result = ProbeResult(rid, gap, self._limit(expected), noise)
-            loaded.results[rid]["probe_gap"] = result.gap
-            if not result.ok:
-                error = result.error(version)
-                logger.error("%s", error)
-                del loaded.results[rid]
-                loaded.errors[rid] = error
-                pool.discard(next(v for v in views if v.replica_id == rid), error, "verification")
-        phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t0
-
     async def _check_deferred(self, ready) -> None:
-        """The value check a push deferred, now that the service serves again (the pool
-        calls it after ``resume`` / ``wake_up``): raises :class:`WeightSyncError` naming
-        a replica that fails it (restarted at the live version)."""
+        """A push's deferred value check, once the service serves again (the pool's
+        ``when_serving`` hook), under the push lock."""
         async with self._lock:
-            if self._deferred is None:
-                return
-            version, expected, rids = self._deferred
-            self._deferred = None
-            if version != self.version:  # a later push superseded it
-                return
-            serving = {v.replica_id for v in ready} & rids
-            checked = Outcomes(results={rid: {} for rid in sorted(serving)})
-            await self._verify(checked, expected, version, {})
-            if checked.errors:
-                rid, error = next(iter(checked.errors.items()))
-                raise WeightSyncError(
-                    f"deferred value check of version {version} failed on replica {rid}: "
-                    f"{error}; it is restarted at version {version}."
-                ) from error
-            self._verified()
+            await self.arrival.check_deferred(ready, self.version)
+
+    # The value check's settings and count, as the scheme's own attributes.
+    verify = property(
+        lambda self: self.arrival.mode,
+        lambda self, mode: setattr(self.arrival, "mode", mode),
+        doc="When arrival is checked by value: ``first``, ``always`` or ``never``.",
+    )
+    verify_tol = property(
+        lambda self: self.arrival.tol,
+        lambda self, tol: setattr(self.arrival, "tol", tol),
+        doc="A fixed limit on the probe's mean gap (None: derived at each push).",
+    )
+    verified_pushes = property(
+        lambda self: self.arrival.verified_pushes, doc="Pushes whose value check passed."
+    )
 
     async def _apply(
         self,
@@ -531,7 +408,9 @@ class WeightSyncScheme:
             loaded = await self.service.pool.call_each(
                 update, group, "update_weights", deadline=deadline
             )
-            await self._verify(loaded, expected, version, phases if phases is not None else {})
+            await self.arrival.check(
+                loaded, expected, version, phases if phases is not None else {}
+            )
             return loaded
 
         if self.rollout == "parallel":
