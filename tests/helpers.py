@@ -416,6 +416,10 @@ info["slots"] = str(scheme.storage_dir)
 if mode == "kill":  # the test SIGKILLs this trainer now
     print(json.dumps(info), flush=True)
     time.sleep(3600)
+if mode == "ray-first":  # TorchRL's GRPO scripts: ray.shutdown(), the engine never closed
+    print(json.dumps(info), flush=True)
+    ray.shutdown()
+    sys.exit(0)
 adapter = make_adapter(model, os.path.join(out, "adapter"), seed=3)
 with AdapterSync(svc, "policy", keep=1) as sync:
     sync.push(adapter, 3)
@@ -426,8 +430,9 @@ svc.shutdown()
 print(json.dumps(info), flush=True)
 """
 """A trainer that launches its own service (and Ray), pushes twice through storage, then
-(mode ``close``) pushes two adapter versions and closes everything, or (mode ``kill``)
-prints what it made and waits to be SIGKILLed. Last stdout line: JSON of its pids, Ray
+(mode ``close``) pushes two adapter versions and closes everything, (mode ``kill``)
+prints what it made and waits to be SIGKILLed, or (mode ``ray-first``) shuts Ray down and
+exits without closing the service or the scheme. Last stdout line: JSON of its pids, Ray
 session directory, its replicas' temporary directories and the directories it made."""
 
 

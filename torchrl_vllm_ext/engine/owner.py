@@ -8,14 +8,17 @@ methods written once for both of them.
   through the service's directory and returns its answer (the owner pushes, pauses,
   adds replicas and adapters, and keeps the one weight version and death policy).
 * :data:`DEPRECATED`: the old method names, in one place.
+* :func:`close_at_exit`: an owner never shut down is closed when its process exits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable
 
 FORWARDED: set[str] = set()
@@ -119,10 +122,36 @@ def _alias(cls: type, old: str, new: str) -> Callable:
     return alias
 
 
+def close_at_exit(svc) -> None:
+    """Shut the owner ``svc`` down when this process exits, if nothing did before.
+
+    If Ray was shut down first (TorchRL's GRPO scripts call ``ray.shutdown()`` in a
+    ``finally`` and never shut the engine down), its replicas were killed with it: only
+    their temporary directories are left to remove. Holds ``svc`` weakly.
+    """
+    atexit.register(_close_at_exit, weakref.ref(svc))
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    import ray
+
+    from torchrl_vllm_ext import leftovers
+
+    svc = ref()
+    if svc is None or svc._closed:
+        return
+    if ray.is_initialized():
+        svc.shutdown()
+    else:
+        svc._closed = True
+        leftovers.reap_when_gone(svc.pool.temp_dirs())
+
+
 __all__ = [
     "DEPRECATED",
     "FORWARDED",
     "add_deprecated_aliases",
+    "close_at_exit",
     "delegate",
     "owner_only",
     "twins",

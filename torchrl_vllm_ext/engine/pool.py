@@ -200,6 +200,11 @@ class ReplicaPool:
         """The ready replicas, by id; an immutable snapshot any thread may read."""
         return self._ready
 
+    def temp_dirs(self) -> list[str]:
+        """The temporary directories of the replicas this pool started (for an exit after
+        Ray was shut down under the service: see ``VLLMService``'s exit hook)."""
+        return [r.info.temp_dir for r in list(self._records.values()) if r.owned and r.info]
+
     def states(self) -> Mapping[int, ReplicaState]:
         """Every replica the pool holds and its state; an immutable snapshot."""
         return self._states

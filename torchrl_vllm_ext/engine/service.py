@@ -47,6 +47,7 @@ from torchrl_vllm_ext.engine.loop import LoopThread
 from torchrl_vllm_ext.engine.lora_serving import LoraServing
 from torchrl_vllm_ext.engine.owner import (
     add_deprecated_aliases,
+    close_at_exit,
     delegate,
     owner_only,
     twins,
@@ -162,6 +163,7 @@ class VLLMService:
         except BaseException:
             svc.shutdown()
             raise
+        close_at_exit(svc)
         return svc
 
     async def _launch(self) -> None:

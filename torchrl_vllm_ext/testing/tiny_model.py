@@ -22,7 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _MARKER = "tiny_model.json"
-_FORMAT_VERSION = 2  # bump when the recipe changes so cached models are rebuilt
+_FORMAT_VERSION = 3  # bump when the recipe changes so cached models are rebuilt
 HEAD_DIM = 32  # attention head width of the default models
 
 # Qwen2.5's special tokens, as its base models use them: <|endoftext|> ends a sequence
@@ -198,6 +198,9 @@ def _corpus() -> list[str]:
         picked = [words[(i * 7 + j * 13) % len(words)] for j in range(12)]
         lines.append(" ".join(picked) + f" {i} {i * 37 % 1000}.")
     lines.append("".join(chr(c) for c in range(32, 127)))
+    # "PAD" is one token of Qwen2.5's vocabulary: TorchRL's GRPO scripts set
+    # tokenizer.pad_token = "PAD" when pad == EOS and need an id for it.
+    lines.extend(["PAD"] * 200)
     return lines
 
 
