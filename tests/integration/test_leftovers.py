@@ -27,24 +27,22 @@ from ..helpers import (
 )
 
 
-def test_launch_push_adapters_close_leaves_nothing(tiny_model, tmp_path):
-    tag = f"test-close-{uuid.uuid4().hex[:8]}"
-    before = shm_names()
-    rendezvous = os.path.join(tempfile.gettempdir(), "vllm_dist_*")
-    before_rendezvous = set(glob.glob(rendezvous))
+def run_trainer(tiny_model, tmp_path, mode: str, tag: str) -> dict:
+    """Run :data:`TRAINER_RUN` in ``mode``; what it made (its last stdout line)."""
     run = subprocess.run(
-        [sys.executable, "-c", TRAINER_RUN, str(tiny_model), str(tmp_path), "close"],
+        [sys.executable, "-c", TRAINER_RUN, str(tiny_model), str(tmp_path), mode],
         env=trainer_env(tag),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    info = json.loads(run.stdout.strip().splitlines()[-1])
-    # It made a slot directory and an adapter directory, both in /dev/shm, both gone.
-    assert info["slots"].startswith("/dev/shm/torchrl-vllm-weights-")
-    assert info["adapters"].startswith("/dev/shm/torchrl-vllm-adapters-")
-    assert not os.path.exists(info["slots"]) and not os.path.exists(info["adapters"])
+    # Its line; Ray may still forward the killed replicas' output after it.
+    return json.loads(next(x for x in reversed(run.stdout.splitlines()) if x.startswith("{")))
+
+
+def assert_nothing_left(info: dict, tag: str, shm_before: set) -> None:
+    """No directory of ours, no process of its Ray session, no new named semaphore."""
     assert ours_tagged(tag) == []
     # Every process of its Ray session (GCS, raylet, workers, the replica) is gone.
     wait_until(
@@ -55,7 +53,20 @@ def test_launch_push_adapters_close_leaves_nothing(tiny_model, tmp_path):
     )
     # Nor a named semaphore: a replica's locks (vLLM's, tqdm's) live until Ray kills it,
     # so its shutdown unlinks their names (each run left one per replica before).
-    assert not {n for n in shm_names() - before if n.startswith("sem.")}
+    assert not {n for n in shm_names() - shm_before if n.startswith("sem.")}
+
+
+def test_launch_push_adapters_close_leaves_nothing(tiny_model, tmp_path):
+    tag = f"test-close-{uuid.uuid4().hex[:8]}"
+    before = shm_names()
+    rendezvous = os.path.join(tempfile.gettempdir(), "vllm_dist_*")
+    before_rendezvous = set(glob.glob(rendezvous))
+    info = run_trainer(tiny_model, tmp_path, "close", tag)
+    # It made a slot directory and an adapter directory, both in /dev/shm, both gone.
+    assert info["slots"].startswith("/dev/shm/torchrl-vllm-weights-")
+    assert info["adapters"].startswith("/dev/shm/torchrl-vllm-adapters-")
+    assert not os.path.exists(info["slots"]) and not os.path.exists(info["adapters"])
+    assert_nothing_left(info, tag, before)
     # Nor vLLM's file-store rendezvous of the replica's process group.
     assert not set(glob.glob(rendezvous)) - before_rendezvous
 
@@ -65,22 +76,7 @@ def test_an_owner_whose_ray_is_shut_down_first_leaves_nothing(tiny_model, tmp_pa
     # kills the replicas, and the owner's exit removes what they left.
     tag = f"test-rayfirst-{uuid.uuid4().hex[:8]}"
     before = shm_names()
-    run = subprocess.run(
-        [sys.executable, "-c", TRAINER_RUN, str(tiny_model), str(tmp_path), "ray-first"],
-        env=trainer_env(tag),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    info = json.loads(run.stdout.strip().splitlines()[-1])
+    info = run_trainer(tiny_model, tmp_path, "ray-first", tag)
     assert info["temps"] and all(t.startswith("/dev/shm/") for t in info["temps"])
     assert not any(os.path.exists(t) for t in info["temps"] + [info["slots"]])
-    assert ours_tagged(tag) == []
-    wait_until(
-        lambda: not processes_of(info["session"], info["replicas"]),
-        60,
-        interval=0.5,
-        what=f"the processes of {info['session']} to exit: {processes_of(info['session'])}",
-    )
-    assert not {n for n in shm_names() - before if n.startswith("sem.")}
+    assert_nothing_left(info, tag, before)
