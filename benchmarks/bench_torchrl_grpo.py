@@ -45,12 +45,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 logger = logging.getLogger("bench_torchrl_grpo")
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT_DIR = "sota-implementations/grpo"
+SCRIPT = "<script>"  # an edit of grpo-sync.py or grpo-async.py, whichever runs
 
 
 @dataclass(frozen=True)
@@ -111,20 +112,20 @@ EDITS = [
     ),
     Edit(
         "cpu",
-        "grpo-sync.py",
+        SCRIPT,
         "    if not torch.cuda.is_available():\n"
         '        raise RuntimeError("CUDA is required for training")\n',
         "",
     ),
     Edit(
         "cpu",
-        "grpo-sync.py",
+        SCRIPT,
         'torch.set_default_device("cuda:0")',
         'torch.set_default_device("cpu")',
     ),
     Edit(
         "cpu",
-        "grpo-sync.py",
+        SCRIPT,
         'train_device = torch.device(f"cuda:{devices[0]}" if devices else "cuda:0")',
         'train_device = torch.device("cpu")',
     ),
@@ -138,23 +139,37 @@ EDITS = [
     Edit(
         "cpu", "grpo_utils.py", 'device=torch.device("cuda:0"),', 'device=torch.device("cpu"),', 3
     ),
-    Edit("torchrl", "grpo-sync.py", GRPO_LOSS_IMPORT, GRPO_LOSS_IMPORT + RB_SHIM),
+    Edit("torchrl", SCRIPT, GRPO_LOSS_IMPORT, GRPO_LOSS_IMPORT + RB_SHIM),
 ]
 
 # One GRPO step of grpo_countdown.py's default size: 2 problems x 4 samples, 24 tokens.
 PROMPTS, GROUP, MAX_TOKENS = 2, 4, 24
 
 
-def config_overrides(model: Path, steps: int) -> list[str]:
-    """Hydra overrides: the tiny model, a small batch, fp32, a few logical CPUs for Ray."""
+def config_overrides(model: Path, steps: int, mode: str) -> list[str]:
+    """Hydra overrides: the tiny model, a small batch, fp32, a few logical CPUs for Ray;
+    in async mode a push after every optimizer step (one collector per prompt, 2 CPUs each
+    in the script)."""
     batch = PROMPTS * GROUP
+    per_mode = {
+        "sync": ["ray.init_config.num_cpus=6"],
+        # async: the collectors stop at the trainer's own budget, and collect faster than
+        # it trains here, so the trainer would find them stopped: a large budget, and the
+        # runner stops the script after its steps
+        "async": [
+            "train.weight_update_frequency=1",
+            "ray.init_config.num_cpus=8",
+            f"train.total_dialog_turns={batch * 1000}",
+        ],
+    }
+    per_mode["sync"].append(f"train.total_dialog_turns={batch * steps}")
     return [
-        "mode=sync",
+        f"mode={mode}",
+        *per_mode[mode],
         f"model.name={model}",
         f"env.num_envs={PROMPTS}",
         f"env.repeats={GROUP}",
         f"train.dialog_turns_per_batch={batch}",
-        f"train.total_dialog_turns={batch * steps}",
         f"train.optim_batch_size={batch}",
         "train.gradient_accumulation_steps=1",
         "train.mixed_precision=false",
@@ -163,7 +178,7 @@ def config_overrides(model: Path, steps: int) -> list[str]:
         "inference_model.torch_dtype=float32",
         f"inference_model.max_tokens={MAX_TOKENS}",
         "+inference_model.max_model_len=512",  # Countdown's prompt is ~370 tokens here
-        "ray.init_config.num_cpus=6",  # Ray pre-starts one worker per CPU it is told of
+        # (Ray pre-starts one worker per CPU it is told of: a few, not the config's 96)
         "ray.collector_config.num_cpus=1",
         "ray.replay_buffer_config.num_cpus=1",
         "ray.train_handler_config.num_cpus=1",
@@ -188,11 +203,12 @@ def copy_scripts(rl_repo: Path, dest: Path) -> Path:
     return dest / "grpo"
 
 
-def apply_edits(folder: Path, kinds: set[str]) -> str:
-    """Apply the edits of ``kinds``; returns the unified diff."""
-    before = {f: (folder / f).read_text() for f in {e.file for e in EDITS}}
+def apply_edits(folder: Path, kinds: set[str], script: str) -> str:
+    """Apply the edits of ``kinds`` to ``script`` and grpo_utils.py; the unified diff."""
+    edits = [e if e.file != SCRIPT else replace(e, file=script) for e in EDITS]
+    before = {f: (folder / f).read_text() for f in {e.file for e in edits}}
     after = dict(before)
-    for e in EDITS:
+    for e in edits:
         if e.kind not in kinds:
             continue
         count = after[e.file].count(e.old)
@@ -230,14 +246,14 @@ def parse_steps(log: str) -> list[dict]:
     return steps
 
 
-def run_torchrl_script(folder: Path, model: Path, steps: int, log_path: Path) -> dict:
+def run_torchrl_script(folder: Path, model: Path, steps: int, mode: str, log_path: Path):
     env = dict(os.environ, WANDB_MODE="disabled", HYDRA_FULL_ERROR="1")
-    cmd = [sys.executable, "grpo-sync.py", "--config-name", "grpo_countdown"]
+    cmd = [sys.executable, f"grpo-{mode}.py", "--config-name", "grpo_countdown"]
     shm_before = set(os.listdir("/dev/shm"))
     t0 = time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            cmd + config_overrides(model, steps),
+            cmd + config_overrides(model, steps, mode),
             cwd=folder,
             env=env,
             stdout=log,
@@ -248,7 +264,7 @@ def run_torchrl_script(folder: Path, model: Path, steps: int, log_path: Path) ->
             time.sleep(0.5)
             done = parse_steps(log_path.read_text(errors="replace"))
         if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # the collector never stops by itself (above)
+            proc.send_signal(signal.SIGINT)  # sync never stops; async runs long
             try:
                 proc.wait(120)
             except subprocess.TimeoutExpired:
@@ -256,7 +272,7 @@ def run_torchrl_script(folder: Path, model: Path, steps: int, log_path: Path) ->
                 proc.wait()
     done = parse_steps(log_path.read_text(errors="replace"))
     if len(done) < steps:
-        raise SystemExit(f"grpo-sync.py ended after {len(done)} of {steps} steps: see {log_path}")
+        raise SystemExit(f"grpo-{mode}.py ended after {len(done)} of {steps} steps: {log_path}")
     gaps = [b["end"] - a["end"] for a, b in itertools.pairwise(done)]
     time.sleep(2)  # Ray's processes finish exiting
     return {
@@ -303,6 +319,7 @@ def run_example(model: Path, steps: int, out: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rl-repo", type=Path, required=True, help="pytorch/rl checkout or git dir")
+    p.add_argument("--mode", choices=["sync", "async"], default="sync", help="grpo-MODE.py")
     p.add_argument("--steps", type=int, default=5, help="GRPO steps per run (>= 3)")
     p.add_argument("--rounds", type=int, default=2, help="runs of each, order alternating")
     p.add_argument("--out", type=Path, default=Path("bench_torchrl_grpo"))
@@ -316,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = {"engine", "torchrl"} | (set() if torch.cuda.is_available() else {"cpu"})
     with tempfile.TemporaryDirectory(prefix="torchrl-grpo-") as scratch:
         folder = copy_scripts(args.rl_repo.resolve(), Path(scratch))
-        diff = apply_edits(folder, kinds)
+        diff = apply_edits(folder, kinds, f"grpo-{args.mode}.py")
         (args.out / "changes.diff").write_text(diff)
         model = make_tiny_model(Path(scratch) / "tiny")
         rounds = []
@@ -326,14 +343,14 @@ def main(argv: list[str] | None = None) -> int:
             for which in order:
                 logger.info("round %d: %s", r, which)
                 if which == "torchrl":
-                    log = args.out / f"grpo-sync-round{r}.log"
-                    row[which] = run_torchrl_script(folder, model, args.steps, log)
+                    log = args.out / f"grpo-{args.mode}-round{r}.log"
+                    row[which] = run_torchrl_script(folder, model, args.steps, args.mode, log)
                 else:
                     row[which] = run_example(model, args.steps, Path(scratch) / f"ex{r}")
             rounds.append(row)
             t, e = row["torchrl"], row["example"]
             print(
-                f"round {r}: grpo-sync.py {1 / t['median_step_s']:.2f} steps/s "
+                f"round {r}: grpo-{args.mode}.py {1 / t['median_step_s']:.2f} steps/s "
                 f"(median step {t['median_step_s']:.2f} s, push {t['median_push_s']:.2f} s) | "
                 f"grpo_countdown.py {1 / e['median_step_s']:.2f} steps/s (median step "
                 f"{e['median_step_s']:.2f} s, push {e['median_sync_s']:.2f} s)"

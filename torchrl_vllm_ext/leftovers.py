@@ -150,7 +150,10 @@ def adopt_tempdir(prefix: str) -> Path:
     is dead. Torch's compile cache stays where it was (shared by every start).
     """
     # NOTE: torch resolves its inductor cache under the temporary directory, once; resolved
-    # now, it keeps the machine-wide cache instead of one that dies with this process.
+    # now, it keeps the machine-wide cache instead of one that dies with this process. Its
+    # C++ precompiled headers' folder is fixed when torch._inductor.codecache is imported:
+    # imported later, every start would rebuild them (seconds on 2 cores).
+    import torch._inductor.codecache  # noqa: F401
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     cache_dir()

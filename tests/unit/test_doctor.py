@@ -75,3 +75,19 @@ def test_an_owner_that_is_a_zombie_counts_as_dead(tmp_path):
         assert leftovers.reap(tmp_path) == [zombie]
     finally:
         proc.wait()
+
+
+def test_an_adopted_temp_dir_leaves_torchs_compile_caches_machine_wide():
+    # A replica adopts its own temporary directory; torch's inductor cache and its C++
+    # precompiled headers must stay where every start finds them (rebuilt: +5 s a start).
+    code = (
+        "from torchrl_vllm_ext import leftovers\n"
+        "path = str(leftovers.adopt_tempdir('torchrl-vllm-test-tmp-'))\n"
+        "from torch._inductor import codecache\n"
+        "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+        "print(path not in codecache._HEADER_DIR and path not in cache_dir())\n"
+        "leftovers.remove_owned(path)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "True"
