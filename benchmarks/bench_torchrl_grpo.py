@@ -1,8 +1,9 @@
-"""TorchRL's own GRPO script (``sota-implementations/grpo/grpo-sync.py``) on vLLM replicas.
+"""TorchRL's own GRPO scripts (``sota-implementations/grpo/grpo-{sync,async}.py``) on vLLM
+replicas.
 
-Copies the script from a pytorch/rl checkout into a scratch folder, changes the lines below
-(each must match exactly once, or the run stops and names it), runs it on the package's tiny
-model with its Countdown config in sync mode for ``--steps`` GRPO steps, and runs
+Copies the scripts from a pytorch/rl checkout into a scratch folder, changes the lines below
+(each must match as often as said, or the run stops and names it), runs ``grpo-MODE.py`` on
+the package's tiny model with its Countdown config for ``--steps`` GRPO steps, and runs
 ``examples/grpo_countdown.py`` with the same batch beside it, alternating which goes first.
 
 The changes, by kind (``changes.diff`` in ``--out`` holds them as a diff):
@@ -18,12 +19,14 @@ The changes, by kind (``changes.diff`` in ``--out`` holds them as a diff):
 
 TorchRL 0.14.1's ``RayLLMCollector`` also never stops (its remote ``next()`` returns None
 at the end where the iterator waits for StopIteration), so this runner interrupts the
-script (SIGINT: its ``finally`` shuts Ray down) once ``--steps`` steps have ended. A step
-ends with TorchRL's ``timeit`` print after its weight push; step time is the median gap
-between step ends (collect + train + push), the first step excluded.
+script (SIGINT: its ``finally`` shuts Ray down) once ``--steps`` steps have ended; so does
+async mode, whose collectors stop at the trainer's budget and collect faster than it trains
+here (given a large budget instead). A step ends with TorchRL's ``timeit`` print after its
+weight push (async: a push after every optimizer step); step time is the median gap between
+step ends, the first step excluded.
 
-    python benchmarks/bench_torchrl_grpo.py --rl-repo PATH [--steps 5] [--rounds 2]
-        [--out bench_torchrl_grpo]
+    python benchmarks/bench_torchrl_grpo.py --rl-repo PATH [--mode sync|async] [--steps 5]
+        [--rounds 2] [--out bench_torchrl_grpo]
 
 ``PATH`` is a pytorch/rl checkout or its bare git directory. Needs ``hydra-core``,
 ``wandb`` and ``datasets`` (the script's imports; wandb runs disabled).
