@@ -96,4 +96,52 @@ async def call_one(view: Any, method: str, args: tuple, died: Died) -> Any:
         raise actor_cause(e) from None
 
 
-__all__ = ["Outcomes", "Unresponsive", "call_each", "call_one"]
+class ReplicaCalls:
+    """The fan-out methods of a pool (the owner's and a handle's), over its
+    ``_ready`` replicas and its ``_died(view, error, what)`` death policy."""
+
+    _ready: tuple
+
+    def _died(self, view: Any, error: BaseException, what: str) -> ReplicaDeadError:
+        raise NotImplementedError
+
+    async def call_each(
+        self,
+        call: Callable[[Any], Awaitable[Any]],
+        replicas: Iterable[Any] | None = None,
+        what: str = "call",
+        timeout: float | None = None,
+        deadline: float | None = None,
+    ) -> Outcomes:
+        """Await ``call(replica)`` on every ready replica (or ``replicas``) at once;
+        every outcome, with the death policy applied.
+
+        ``timeout``: seconds after which a replica's call is given up, reported in
+        ``errors`` (the replica may just be busy). ``deadline``: seconds after which a
+        replica that has not answered counts as gone (``dead``): it is killed and
+        restarted like a replica that died.
+        """
+        targets = self._ready if replicas is None else replicas
+        return await call_each(targets, call, self._died, what, timeout, deadline)
+
+    async def call_all(
+        self,
+        method: str,
+        *args: Any,
+        replicas: Iterable[Any] | None = None,
+        timeout: float | None = None,
+        deadline: float | None = None,
+    ) -> Outcomes:
+        """The replica actor's ``method(*args)`` on every ready replica (or ``replicas``);
+        ``timeout`` and ``deadline`` as in :meth:`call_each`."""
+        return await self.call_each(
+            lambda v: getattr(v.handle, method).remote(*args), replicas, method, timeout, deadline
+        )
+
+    async def call(self, replica: Any, method: str, *args: Any) -> Any:
+        """``method(*args)`` on one replica: its answer, the replica-side exception, or
+        :class:`ReplicaDeadError` if it died (as the pool's death policy says)."""
+        return await call_one(replica, method, args, self._died)
+
+
+__all__ = ["Outcomes", "ReplicaCalls", "Unresponsive", "call_each", "call_one"]

@@ -14,11 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from types import MappingProxyType
-from typing import Any
 
-from torchrl_vllm_ext.engine.calls import Outcomes, call_each, call_one
+from torchrl_vllm_ext.engine.calls import ReplicaCalls
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.directory import ReplicaTable
 from torchrl_vllm_ext.engine.pool import ReplicaState, ReplicaView
@@ -35,7 +34,7 @@ logger = logging.getLogger(__name__)
 WATCH_S = 30.0  # the directory's long poll: how long one watch call may wait
 
 
-class HandlePool:
+class HandlePool(ReplicaCalls):
     """The owner's replicas, read from its directory.
 
     Args:
@@ -150,33 +149,7 @@ class HandlePool:
             "WeightSyncUpdater / vLLMUpdaterV2 / service.update_weights (forwarded to it)."
         )
 
-    # ------------------------------------------------------------------ calls
-    async def call_each(
-        self,
-        call: Callable[[ReplicaView], Awaitable[Any]],
-        replicas: Iterable[ReplicaView] | None = None,
-        what: str = "call",
-        timeout: float | None = None,
-        deadline: float | None = None,
-    ) -> Outcomes:
-        targets = self._ready if replicas is None else replicas
-        return await call_each(targets, call, self._died, what, timeout, deadline)
-
-    async def call_all(
-        self,
-        method: str,
-        *args: Any,
-        replicas: Iterable[ReplicaView] | None = None,
-        timeout: float | None = None,
-        deadline: float | None = None,
-    ) -> Outcomes:
-        return await self.call_each(
-            lambda v: getattr(v.handle, method).remote(*args), replicas, method, timeout, deadline
-        )
-
-    async def call(self, replica: ReplicaView, method: str, *args: Any) -> Any:
-        return await call_one(replica, method, args, self._died)
-
+    # ------------------------------------------------------------------ leases (calls: ReplicaCalls)
     @contextlib.asynccontextmanager
     async def lease(self, replica_id: int, n: int) -> AsyncIterator[None]:
         """Count ``n`` requests in flight on a replica (this handle's own load-aware routing)."""

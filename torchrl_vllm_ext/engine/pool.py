@@ -37,7 +37,7 @@ import ray
 from tqdm.auto import tqdm
 
 from torchrl_vllm_ext.engine import cluster, placement
-from torchrl_vllm_ext.engine.calls import Outcomes, call_each, call_one
+from torchrl_vllm_ext.engine.calls import Outcomes, ReplicaCalls
 from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS, actor_cause
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.replica import ReplicaSpec, VLLMReplica
@@ -143,7 +143,7 @@ class _Record:
         return ReplicaView(self.replica_id, self.actor, self.info)
 
 
-class ReplicaPool:
+class ReplicaPool(ReplicaCalls):
     """The replicas of one service: lifecycle, snapshot, fan-out, death policy.
 
     Args:
@@ -445,45 +445,7 @@ class ReplicaPool:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await asyncio.gather(*(self._stop(rec) for rec in list(self._records.values())))
 
-    # ------------------------------------------------------------------ calls
-    async def call_each(
-        self,
-        call: Callable[[ReplicaView], Awaitable[Any]],
-        replicas: Iterable[ReplicaView] | None = None,
-        what: str = "call",
-        timeout: float | None = None,
-        deadline: float | None = None,
-    ) -> Outcomes:
-        """Await ``call(replica)`` on every ready replica (or ``replicas``) at once;
-        every outcome, with the death policy applied.
-
-        ``timeout``: seconds after which a replica's call is given up, reported in
-        ``errors`` (the replica may just be busy). ``deadline``: seconds after which a
-        replica that has not answered counts as gone (``dead``): it is killed and
-        restarted like a replica that died.
-        """
-        targets = self._ready if replicas is None else replicas
-        return await call_each(targets, call, self._died, what, timeout, deadline)
-
-    async def call_all(
-        self,
-        method: str,
-        *args: Any,
-        replicas: Iterable[ReplicaView] | None = None,
-        timeout: float | None = None,
-        deadline: float | None = None,
-    ) -> Outcomes:
-        """The replica actor's ``method(*args)`` on every ready replica (or ``replicas``);
-        ``timeout`` and ``deadline`` as in :meth:`call_each`."""
-        return await self.call_each(
-            lambda v: getattr(v.handle, method).remote(*args), replicas, method, timeout, deadline
-        )
-
-    async def call(self, replica: ReplicaView, method: str, *args: Any) -> Any:
-        """``method(*args)`` on one replica: its answer, the replica-side exception, or
-        :class:`ReplicaDeadError` if it died (recorded and being restarted)."""
-        return await call_one(replica, method, args, self._died)
-
+    # ------------------------------------------------------------------ leases (calls: ReplicaCalls)
     @contextlib.asynccontextmanager
     async def lease(self, replica_id: int, n: int) -> AsyncIterator[None]:
         """Count ``n`` requests in flight on a replica while the block runs (load-aware
