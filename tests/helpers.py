@@ -493,6 +493,20 @@ def shm_names() -> set[str]:
     return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
 
 
+def wait_no_new_semaphores(before: set[str], timeout: float = 30) -> None:
+    """Wait until /dev/shm holds no named semaphore that it did not hold ``before``.
+
+    A process that dies unlinks nothing itself: its multiprocessing resource tracker (a
+    child that outlives it) unlinks its semaphores once it sees it gone, a moment later.
+    """
+    wait_until(
+        lambda: not {n for n in shm_names() - before if n.startswith("sem.")},
+        timeout,
+        interval=0.2,
+        what=f"new named semaphores to go: {sorted(n for n in shm_names() - before if n.startswith('sem.'))}",
+    )
+
+
 def shm_leaks(before: set[str], tag: str) -> tuple[list[str], list[str]]:
     """What /dev/shm holds now that it did not hold ``before``: (this run's, others').
 

@@ -56,7 +56,7 @@ def fresh_batch(rb):
     if not len(rb):
         return None
     batch = rb.sample()
-    return (batch,) if batch.numel() else None
+    return (batch,) if batch.batch_size.numel() else None
 
 
 def make_collection(service, scheme, rb, staleness: str, lag: int) -> AsyncCollection:

@@ -23,6 +23,7 @@ from ..helpers import (
     processes_of,
     shm_names,
     trainer_env,
+    wait_no_new_semaphores,
     wait_until,
 )
 
@@ -53,7 +54,7 @@ def assert_nothing_left(info: dict, tag: str, shm_before: set) -> None:
     )
     # Nor a named semaphore: a replica's locks (vLLM's, tqdm's) live until Ray kills it,
     # so its shutdown unlinks their names (each run left one per replica before).
-    assert not {n for n in shm_names() - shm_before if n.startswith("sem.")}
+    wait_no_new_semaphores(shm_before)
 
 
 def test_launch_push_adapters_close_leaves_nothing(tiny_model, tmp_path):

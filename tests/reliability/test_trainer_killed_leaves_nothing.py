@@ -25,6 +25,7 @@ from ..helpers import (
     processes_of,
     shm_names,
     trainer_env,
+    wait_no_new_semaphores,
     wait_until,
 )
 
@@ -53,10 +54,11 @@ def test_a_killed_trainers_leftovers_are_reaped_by_the_next_start(service, tiny_
             proc.wait()
         proc.stdout.close()
     # A killed trainer leaves its slots, and its replica (killed with its Ray session) its
-    # temporary directory with vLLM's rendezvous file in it; no named semaphore.
+    # temporary directory with vLLM's rendezvous file in it; no named semaphore once its
+    # resource tracker has seen it die.
     assert sorted(ours_tagged(tag)) == sorted([info["slots"], *info["temps"]])
     assert all(glob.glob(os.path.join(t, "vllm_dist_*")) for t in info["temps"])
-    assert not {n for n in shm_names() - before if n.startswith("sem.")}
+    wait_no_new_semaphores(before)
     wait_until(
         lambda: not processes_of(info["session"], info["replicas"]),
         120,

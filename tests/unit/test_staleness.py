@@ -47,6 +47,22 @@ def test_filter_drops_on_write_and_on_sample():
     assert keep.dropped > 1
 
 
+def test_an_all_stale_write_adds_nothing_and_the_buffer_keeps_working():
+    # A collector thread extends the buffer with a whole batch the trainer has moved past;
+    # TorchRL's writer raises on an empty write, which would end the thread.
+    version = [5]
+    keep = StalenessFilter(lambda: version[0], max_policy_lag=0)
+    rb = ReplayBuffer(storage=LazyStackStorage(32), batch_size=4)
+    rb.append_transform(lambda td: td)  # a user's transform: the filter goes before it
+    rb.insert_transform(0, keep)
+    assert rb.extend(rows(["3", "4"])).numel() == 0
+    assert len(rb) == 0 and keep.dropped == 2
+    rb.extend(rows(["5", "4"]))
+    assert len(rb) == 1 and keep.dropped == 3
+    version[0] = 6  # everything stored is stale now: a sample comes back empty
+    assert rb.sample().batch_size == (0,)
+
+
 def test_filter_lag_zero_is_on_policy_only():
     keep = StalenessFilter(lambda: 5, max_policy_lag=0)
     assert keep.fresh(rows(["5", "4", "6"])).tolist() == [True, False, True]

@@ -22,7 +22,7 @@ from torchrl_vllm_ext.errors import ConfigurationError
 class AsyncCollection:
     """Collect rollouts into a replay buffer in the background, at most ``max_policy_lag`` stale.
 
-    ``staleness="drop"`` appends a :class:`StalenessFilter` to the buffer's transforms:
+    ``staleness="drop"`` puts a :class:`StalenessFilter` first in the buffer's transforms:
     stale rows are dropped when written and when sampled. ``staleness="wait"`` puts a
     :class:`StalenessGate` in front of the policy (the collector waits before a batch that
     would run too far ahead of the trainer) *and* the filter, as a safety net for a
@@ -75,7 +75,9 @@ class AsyncCollection:
         self.replay_buffer = replay_buffer
         self.updater = WeightSyncUpdater(scheme)
         self.filter = StalenessFilter(self.current_version, max_policy_lag)
-        replay_buffer.append_transform(self.filter)
+        # First: it reads rows as stored and runs last on a write, so no inverse transform
+        # of the user's gets the None that an all-stale write becomes.
+        replay_buffer.insert_transform(0, self.filter)
         self.gate = None
         if staleness == "wait":
             self.gate = StalenessGate(self.current_version, max_policy_lag)

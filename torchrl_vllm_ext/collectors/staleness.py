@@ -71,7 +71,9 @@ class StalenessFilter(Transform):
     Put it on a TorchRL ``ReplayBuffer`` (``transform=``): rows over the bound are dropped
     on ``extend`` (the inverse pass) and again on ``sample`` (the forward pass), so a
     sample that aged in the buffer while the trainer moved on is not returned either.
-    ``dropped`` counts the rows removed.
+    An ``extend`` whose rows are all stale adds nothing; a ``sample`` may come back empty.
+    In a ``Compose`` put it first (``rb.insert_transform(0, f)``): it then reads the rows
+    as stored, and runs last on a write. ``dropped`` counts the rows removed.
 
     Args:
         current_version: returns the trainer's current version (an int), e.g.
@@ -127,8 +129,12 @@ class StalenessFilter(Transform):
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         return self._keep(tensordict)
 
-    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        return self._keep(tensordict)
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase | None:
+        kept = self._keep(tensordict)
+        # A write whose rows are all stale writes nothing: ``ReplayBuffer.extend`` takes None
+        # as "nothing to add", where an empty TensorDict makes its writer raise (and kills a
+        # collector thread that was extending it).
+        return kept if kept.batch_size.numel() else None
 
 
 class StalenessGate:
