@@ -53,16 +53,22 @@ def test_context_manager_shutdown_releases_everything(tiny_model, ray_cluster):
     svc.shutdown()  # idempotent
 
 
-def test_failed_launch_releases_what_it_started(tiny_model, ray_cluster):
+def test_failed_launch_releases_what_it_started_and_names_the_engine_cores_error(
+    tiny_model, ray_cluster
+):
+    """An engine core that dies while it starts (as on GPU: its own process) with too
+    little KV cache: vLLM says only "see root cause above"; the error names the cause."""
     before = set(live_groups("tvllm-"))
-    with pytest.raises(ReplicaStartupError, match="could not start vLLM"):
-        # max_model_len beyond the model's positions fails inside the engine.
+    with pytest.raises(ReplicaStartupError, match="could not start vLLM") as err:
         VLLMService.launch(
             tiny_model,
             num_replicas=1,
             cpus_per_replica=CPUS_PER_REPLICA,
-            **{**ENGINE_KWARGS, "max_model_len": 10**7},
+            engine_process=True,
+            **{**ENGINE_KWARGS, "max_model_len": 2048, "kv_cache_memory_bytes": 1 << 16},
         )
+    assert "ValueError: No available memory for the cache blocks" in str(err.value)
+    assert "in vLLM's engine-core process" in str(err.value)
     assert set(live_groups("tvllm-")) == before
 
 

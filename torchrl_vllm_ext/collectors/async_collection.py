@@ -84,6 +84,9 @@ class AsyncCollection:
             policy = self.gate.wrap(policy)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # legacy weight_updater path
+            # TorchRL 0.14 warns for any module policy on an env without InitTracker, and
+            # LLMCollector takes no ``auto_register_policy_transforms`` to answer it with.
+            warnings.filterwarnings("ignore", "The env passed to LLMCollector is missing")
             self.collector = LLMCollector(
                 env,
                 policy=policy,

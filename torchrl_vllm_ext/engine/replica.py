@@ -31,6 +31,7 @@ from torchrl_vllm_ext.engine.adapters import Adapter, stage_files
 from torchrl_vllm_ext.engine.base import Engine, check_pause_mode, engine_class
 from torchrl_vllm_ext.engine.outputs import pack_outputs, prompt_logprobs_of
 from torchrl_vllm_ext.engine.serving import ServingState, update_steps
+from torchrl_vllm_ext.engine.stderr_tail import StderrMark, explain
 from torchrl_vllm_ext.engine.validation import make_sampling_params, with_seed
 from torchrl_vllm_ext.errors import (
     GenerationTimeoutError,
@@ -159,6 +160,7 @@ class VLLMReplica:
         kwargs = {"enable_log_requests": False, "disable_log_stats": True}
         kwargs.update(self._engine_kwargs)
         api = vllm_engine_api()
+        stderr_mark = StderrMark()  # an engine-core process's traceback lands past it
         try:
             args = api.AsyncEngineArgs(model=self._model, **kwargs)
             self.engine = await self._engine_class.start(args)
@@ -180,7 +182,7 @@ class VLLMReplica:
             await asyncio.to_thread(self._release_failed_start)
             raise ReplicaStartupError(
                 f"replica {self.replica_id} could not start vLLM on {self._model!r}: "
-                f"{root_cause(e)} (engine arguments: {kwargs})"
+                f"{explain(root_cause(e), stderr_mark)} (engine arguments: {kwargs})"
             ) from e
         import ray
 
