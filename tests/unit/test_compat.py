@@ -159,3 +159,15 @@ def test_a_cuda_build_without_the_cpu_wheel_drives_gpus(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
     monkeypatch.setattr(torch.version, "hip", None)
     assert _compat.vllm_build_drives_gpus() is False
+
+
+def test_cpu_replicas_skip_the_aot_compile_their_build_cannot_load_back(monkeypatch):
+    from torchrl_vllm_ext.engine.cluster import _engine_env
+
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    assert _compat.engine_env_defaults()["VLLM_USE_AOT_COMPILE"] == "0"
+    assert _engine_env()["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # the user's own setting wins
+    assert _engine_env()["VLLM_USE_AOT_COMPILE"] == "1"
+    monkeypatch.setattr(_compat, "vllm_build_drives_gpus", lambda: True)
+    assert "VLLM_USE_AOT_COMPILE" not in _compat.engine_env_defaults()  # GPU: vLLM's default

@@ -17,7 +17,9 @@ Traceback (most recent call last):
     raise ValueError(
 (EngineCore_DP0 pid=4242) ValueError: To serve at least one request with the models's max seq len (8192), (1.5 GiB KV cache is needed, which is larger than the available KV cache memory (0.9 GiB). Try increasing `gpu_memory_utilization` or decreasing `max_model_len`.
 """
-OUTER = "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+OUTER = (
+    "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"
+)
 
 
 def test_the_last_exception_line_wins_and_the_outer_error_is_skipped():
