@@ -39,6 +39,7 @@ _EXPORTS = {
     **{
         name: "torchrl_vllm_ext.errors"
         for name in (
+            "CollectionStoppedError",
             "ConfigurationError",
             "GenerationTimeoutError",
             "InsufficientResourcesError",

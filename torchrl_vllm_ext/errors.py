@@ -53,5 +53,9 @@ class ServiceClosedError(TorchRLVLLMError, RuntimeError):
     """The service was used after ``shutdown()``."""
 
 
+class CollectionStoppedError(TorchRLVLLMError, RuntimeError):
+    """A background collector thread ended with an error: nothing more is collected."""
+
+
 class WeightSyncError(TorchRLVLLMError):
     """A weight update failed; the replicas keep serving the previous version."""

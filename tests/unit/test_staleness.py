@@ -63,6 +63,13 @@ def test_an_all_stale_write_adds_nothing_and_the_buffer_keeps_working():
     assert rb.sample().batch_size == (0,)
 
 
+def test_rows_without_an_integer_version_say_what_to_do():
+    with pytest.raises(ConfigurationError, match="Collect with VLLMPolicy"):
+        sample_versions(TensorDict({"x": torch.arange(2)}, batch_size=[2]))
+    with pytest.raises(ConfigurationError, match="needs integer versions"):
+        sample_versions(rows(["3", "after-restore"]))
+
+
 def test_filter_lag_zero_is_on_policy_only():
     keep = StalenessFilter(lambda: 5, max_policy_lag=0)
     assert keep.fresh(rows(["5", "4", "6"])).tolist() == [True, False, True]

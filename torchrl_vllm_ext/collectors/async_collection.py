@@ -8,6 +8,7 @@ how old a sample may be (:mod:`.staleness`) and one owner for the thread's lifet
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 from torchrl_vllm_ext.collectors.staleness import (
@@ -16,7 +17,9 @@ from torchrl_vllm_ext.collectors.staleness import (
     StalenessGate,
 )
 from torchrl_vllm_ext.collectors.updater import WeightSyncUpdater
-from torchrl_vllm_ext.errors import ConfigurationError
+from torchrl_vllm_ext.errors import CollectionStoppedError, ConfigurationError
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncCollection:
@@ -30,6 +33,11 @@ class AsyncCollection:
 
     The trainer's version is the collector's ``policy_version``, moved by
     ``update_policy_weights_`` (:class:`WeightSyncUpdater` pushes through ``scheme``).
+
+    If the collector thread ends with an error (the env, the policy, the buffer raised),
+    TorchRL's thread dies quietly and the buffer stops growing; here the error is logged
+    and ``update_policy_weights_``, :meth:`check` and leaving the ``with`` block raise
+    :class:`~torchrl_vllm_ext.CollectionStoppedError` from it.
 
     Args:
         env: a TorchRL LLM env (e.g. :class:`~torchrl_vllm_ext.TokenCopyEnv`).
@@ -72,6 +80,8 @@ class AsyncCollection:
                 "samples away, 'wait' holds collection back."
             )
         self.staleness = staleness
+        self.error: BaseException | None = None
+        """What ended the collector thread, if an error did."""
         self.replay_buffer = replay_buffer
         self.updater = WeightSyncUpdater(scheme)
         self.filter = StalenessFilter(self.current_version, max_policy_lag)
@@ -107,11 +117,35 @@ class AsyncCollection:
 
     def start(self) -> AsyncCollection:
         """Start TorchRL's collection thread; returns ``self``."""
+        # TorchRL's ``start()`` runs ``_run_iterator`` in its thread and lets an error end
+        # the thread unseen: run it through ``_record`` (torchrl 0.14's name; without it,
+        # the thread is started as it is).
+        run = getattr(self.collector, "_run_iterator", None)
+        if run is not None:
+            self.collector._run_iterator = lambda: self._record(run)
         self.collector.start()
         return self
 
+    def _record(self, run) -> None:
+        try:
+            run()
+        except BaseException as e:  # the thread's end: kept for the trainer's thread
+            self.error = e
+            logger.error("the collector thread stopped: %s: %s", type(e).__name__, e, exc_info=e)
+
+    def check(self) -> None:
+        """Raise :class:`~torchrl_vllm_ext.CollectionStoppedError` if the collector thread
+        ended with an error."""
+        if self.error is not None:
+            raise CollectionStoppedError(
+                f"the collector thread stopped with {type(self.error).__name__}: "
+                f"{self.error}; the buffer receives nothing more. Fix the cause and start a "
+                "new AsyncCollection."
+            ) from self.error
+
     def update_policy_weights_(self, weights):
         """Push ``weights`` as the next version (blocks); returns the :class:`SyncReport`."""
+        self.check()
         self.collector.update_policy_weights_(weights)
         return self.updater.last_report
 
@@ -124,8 +158,10 @@ class AsyncCollection:
     def __enter__(self) -> AsyncCollection:
         return self.start()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self.shutdown()
+        if exc_type is None:  # an error of the trainer's own goes first
+            self.check()
 
 
 __all__ = ["AsyncCollection"]

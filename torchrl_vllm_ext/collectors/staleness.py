@@ -43,11 +43,24 @@ def sample_versions(td: TensorDictBase, key=VERSION_KEY) -> torch.Tensor:
         >>> sample_versions(td).tolist()
         [1, 3]
     """
-    value = td.get(key)
+    value = td.get(key, None)
+    if value is None:
+        raise ConfigurationError(
+            f"the rows carry no {key!r}: a staleness bound reads each row's generating "
+            "version there. Collect with VLLMPolicy (it writes ('vllm', 'weight_version')), "
+            "or name the key your policy writes as version_key="
+        )
     if isinstance(value, torch.Tensor):
         return value.reshape(td.batch_size).long()
     flat = value.tolist() if hasattr(value, "tolist") else value
-    ints = torch.tensor([int(v) for v in flatten_rows(flat)], dtype=torch.int64)
+    try:
+        ints = torch.tensor([int(v) for v in flatten_rows(flat)], dtype=torch.int64)
+    except ValueError as e:
+        raise ConfigurationError(
+            f"a row's version under {key!r} is not an integer ({e}): a staleness bound "
+            "needs integer versions; push without version= (the scheme counts 1, 2, ...) "
+            "or with integers"
+        ) from e
     if ints.numel() == 1 and td.batch_size.numel() != 1:  # one shared NonTensorData
         ints = ints.expand(td.batch_size.numel())
     return ints.reshape(td.batch_size)
