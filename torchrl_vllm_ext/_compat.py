@@ -22,6 +22,7 @@ Differences across 0.26-0.33 that the package meets (``AsyncLLM``, the GPU engin
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Literal, NamedTuple, get_args
 
@@ -293,13 +294,64 @@ def release_distributed() -> None:
 
 
 # ---------------------------------------------------------------------------- model workers
+LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_FAILED_TO_LOAD = "%s: Failed to load weights"
+
+
 def worker_reload_weights(worker, named_tensors) -> None:
     """vLLM's layerwise reload on a worker: re-runs every layer's post-load processing,
     then what that reload leaves stale on CPU (a tied head's GEMM copy, prepacked experts)."""
-    worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
     model = worker.get_model()
+    quiet = NoCheckpointLayers(layers_without_checkpoint_tensors(model))
+    layerwise = logging.getLogger(LAYERWISE_LOGGER)
+    layerwise.addFilter(quiet)
+    try:
+        worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
+    finally:
+        layerwise.removeFilter(quiet)
     _refresh_tied_lm_head(model)
     _prepack_cpu_experts(model)
+
+
+class NoCheckpointLayers(logging.Filter):
+    """Drop vLLM's "<Layer>: Failed to load weights" for layers no checkpoint has tensors of.
+
+    vLLM's layerwise reload warns for every layer that received nothing; a rotary
+    embedding (a computed buffer) and a head tied to the embedding never do, so every
+    push of a MoE or quantized model logged two false alarms. Other layers still warn.
+
+    Examples:
+        >>> quiet = NoCheckpointLayers({"RotaryEmbedding"})
+        >>> def record(layer):
+        ...     return logging.LogRecord("x", logging.WARNING, "", 0, _FAILED_TO_LOAD, (layer,), None)
+        >>> quiet.filter(record("RotaryEmbedding")), quiet.filter(record("QKVParallelLinear"))
+        (False, True)
+    """
+
+    def __init__(self, layer_types: set[str]):
+        super().__init__()
+        self.layer_types = layer_types
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (record.msg == _FAILED_TO_LOAD and args and args[0] in self.layer_types)
+
+
+def layers_without_checkpoint_tensors(model) -> set[str]:
+    """Class names of ``model``'s layers that no checkpoint tensor loads into: every
+    instance holds buffers but no parameter of its own, or it is a head tied to the
+    embedding."""
+    with_params, with_buffers = set(), set()
+    for module in model.modules():
+        name = type(module).__name__
+        if next(module.parameters(recurse=False), None) is not None:
+            with_params.add(name)
+        if next(module.buffers(recurse=False), None) is not None:
+            with_buffers.add(name)
+    found = with_buffers - with_params
+    if _tied_lm_head(model):
+        found.add(type(model.lm_head).__name__)
+    return found
 
 
 def _prepack_cpu_experts(model) -> int:
@@ -344,12 +396,17 @@ def _refresh_tied_lm_head(model) -> None:
     own), but on CPU its ``process_weights_after_loading`` packed a private copy of the
     embedding for the GEMM; without this the logits keep using the old weights.
     """
+    if _tied_lm_head(model) and hasattr(model.lm_head, "quant_method"):
+        model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+
+
+def _tied_lm_head(model) -> bool:
+    """Whether ``model.lm_head`` shares its weight with ``model.model.embed_tokens``."""
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if lm_head is None or embed is None or getattr(lm_head, "weight", None) is None:
-        return
-    if lm_head.weight.data_ptr() == embed.weight.data_ptr() and hasattr(lm_head, "quant_method"):
-        lm_head.quant_method.process_weights_after_loading(lm_head)
+        return False
+    return lm_head.weight.data_ptr() == embed.weight.data_ptr()
 
 
 _UNQUANTIZED_METHODS = (

@@ -171,3 +171,50 @@ def test_cpu_replicas_skip_the_aot_compile_their_build_cannot_load_back(monkeypa
     assert _engine_env()["VLLM_USE_AOT_COMPILE"] == "1"
     monkeypatch.setattr(_compat, "vllm_build_drives_gpus", lambda: True)
     assert "VLLM_USE_AOT_COMPILE" not in _compat.engine_env_defaults()  # GPU: vLLM's default
+
+
+# ---------------------------------------------------------------------- layerwise reload
+def test_the_layers_no_checkpoint_loads_into_are_named():
+    import torch
+    from torch import nn
+
+    class RotaryEmbedding(nn.Module):  # a computed cache, no parameter
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("cos_sin_cache", torch.zeros(4, 2))
+
+    class Model(nn.Module):
+        def __init__(self, tied: bool):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.embed_tokens = nn.Embedding(10, 4)
+            self.model.rotary = RotaryEmbedding()
+            self.model.norm = nn.LayerNorm(4)
+            self.lm_head = nn.Linear(4, 10, bias=False)
+            if tied:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    assert _compat.layers_without_checkpoint_tensors(Model(tied=True)) == {
+        "RotaryEmbedding",
+        "Linear",
+    }
+    assert _compat.layers_without_checkpoint_tensors(Model(tied=False)) == {"RotaryEmbedding"}
+
+
+def test_only_those_layers_lose_the_failed_to_load_warning(caplog):
+    import logging
+
+    quiet = _compat.NoCheckpointLayers({"RotaryEmbedding"})
+    layerwise = logging.getLogger(_compat.LAYERWISE_LOGGER)
+    layerwise.addFilter(quiet)
+    try:
+        with caplog.at_level(logging.WARNING, _compat.LAYERWISE_LOGGER):
+            layerwise.warning("%s: Failed to load weights", "RotaryEmbedding")
+            layerwise.warning("%s: Failed to load weights", "QKVParallelLinear")
+            layerwise.warning("%s: Delayed processing", "RotaryEmbedding")
+    finally:
+        layerwise.removeFilter(quiet)
+    assert [r.getMessage() for r in caplog.records] == [
+        "QKVParallelLinear: Failed to load weights",
+        "RotaryEmbedding: Delayed processing",
+    ]
