@@ -46,6 +46,7 @@ _EXPORTS = {
             "InvalidInputTypeError",
             "InvalidRequestError",
             "NoHealthyReplicaError",
+            "PartialLoadError",
             "ReplicaDeadError",
             "ReplicaStartupError",
             "ServiceClosedError",

@@ -59,3 +59,8 @@ class CollectionStoppedError(TorchRLVLLMError, RuntimeError):
 
 class WeightSyncError(TorchRLVLLMError):
     """A weight update failed; the replicas keep serving the previous version."""
+
+
+class PartialLoadError(WeightSyncError):
+    """A replica's load failed after it had begun writing its weights: it serves none
+    until it is restarted (at the version the service serves)."""

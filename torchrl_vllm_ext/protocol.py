@@ -64,6 +64,8 @@ class WorkerMethods:
     them on the GPU in a background thread (then ``load_staged_weights``)."""
     RECEIVE_IPC = "receive_weight_ipc"
     """(update_json: str) -> loaded version; open, verify, load (restarted replicas)."""
+    WEIGHTS_INTACT = "weights_intact"
+    """() -> False after a load that failed once it had begun writing the parameters."""
 
 
 class ActorMethods:
@@ -82,5 +84,9 @@ in each replica's environment, read by the worker before its model loads."""
 TEST_SKIP_LOAD_ENV = "TORCHRL_VLLM_TEST_SKIP_LOAD"
 """For tests only: ``"<version>=<checkpoint tensor name>"`` (several, comma-separated) makes
 every worker leave that tensor out when it loads that version, as a broken load would (the
-push's value check must then fail it). Read from the driver's environment when a replica starts
+push's value check must then fail it); ``"<version>=!fail-half-way"`` makes it load half the
+tensors and raise. Read from the driver's environment when a replica starts
 (``engine.cluster.process_env``) and by the worker extension at each load."""
+
+TEST_FAIL_HALF_WAY = "!fail-half-way"
+"""The :data:`TEST_SKIP_LOAD_ENV` entry that fails a load after it wrote half the tensors."""

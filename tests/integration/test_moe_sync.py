@@ -1,6 +1,7 @@
 """Weight sync of MoE models (Mixtral, Qwen3-MoE): exact after every push, from the
 checkpoint's names and from transformers' fused ones, on both transports; a load that
-misses a tensor fails the push by value (the probe), not OK by label.
+misses a tensor fails the push by value (the probe), not OK by label; a load that fails
+half-way restarts the replica instead of serving the mix.
 
 One replica per model, shared by the module's tests (each model starts once).
 """
@@ -15,13 +16,14 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from torchrl_vllm_ext import WeightSyncError, WeightSyncScheme
-from torchrl_vllm_ext.protocol import TEST_SKIP_LOAD_ENV
+from torchrl_vllm_ext.protocol import TEST_FAIL_HALF_WAY, TEST_SKIP_LOAD_ENV
 from torchrl_vllm_ext.testing import make_tiny_model
 
 from ..helpers import assert_replicas_match, launch, perturb, wait_ready
 
 BROKEN = "broken"  # the version whose load the test hook breaks
 SKIPPED = "model.layers.1.self_attn.o_proj.weight"
+HALF = "half-written"  # the version whose load the test hook fails after half the tensors
 
 
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
@@ -29,19 +31,22 @@ def moe(request, tmp_path_factory, ray_cluster):
     """(arch, model dir, service with one replica, trainer, schemes by transport)."""
     arch = request.param
     path = make_tiny_model(tmp_path_factory.mktemp("moe") / arch, arch=arch, seed=1)
-    os.environ[TEST_SKIP_LOAD_ENV] = f"{BROKEN}={SKIPPED}"
+    # Set while the module runs: a replica restarted by one test breaks the next one's
+    # load too (only these two versions; the restarts themselves load the served one).
+    os.environ[TEST_SKIP_LOAD_ENV] = f"{BROKEN}={SKIPPED},{HALF}={TEST_FAIL_HALF_WAY}"
     try:
         service = launch(path, num_replicas=1)
+        trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        schemes = {
+            t: WeightSyncScheme(service, transport=t, verify="always")
+            for t in ("storage", "broadcast")
+        }
+        yield arch, path, service, trainer, schemes
+        for scheme in schemes.values():
+            scheme.close()
+        service.shutdown()
     finally:
-        del os.environ[TEST_SKIP_LOAD_ENV]  # restarted replicas load normally
-    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    schemes = {
-        t: WeightSyncScheme(service, transport=t, verify="always") for t in ("storage", "broadcast")
-    }
-    yield arch, path, service, trainer, schemes
-    for scheme in schemes.values():
-        scheme.close()
-    service.shutdown()
+        del os.environ[TEST_SKIP_LOAD_ENV]
 
 
 def checkpoint_tensors(model, out_dir) -> dict[str, torch.Tensor]:
@@ -102,3 +107,21 @@ def test_broken_load_fails_by_value(moe):
     wait_ready(service, 1)
     trainer.load_state_dict(pushed)
     assert_replicas_match(service, trainer, before + "-again")
+
+
+def test_a_load_that_fails_half_way_restarts_the_replica(moe):
+    """The test hook writes half the tensors of version HALF, then fails: the replica holds
+    a mix of two versions, so it is not resumed but restarted at the served version."""
+    _, _, service, trainer, schemes = moe
+    scheme = schemes["storage"]
+    good = service.weight_version + "-good"
+    scheme.push(trainer, version=good)
+    pushed = {k: v.clone() for k, v in trainer.state_dict().items()}
+    perturb(trainer, seed=11)
+    with pytest.raises(WeightSyncError, match="had begun writing it") as err:
+        scheme.push(trainer, version=HALF)
+    assert "failed half-way" in str(err.value) and "restarted" in str(err.value)
+    wait_ready(service, 1)
+    assert service.weight_version == good
+    trainer.load_state_dict(pushed)
+    assert_replicas_match(service, trainer, good)

@@ -38,6 +38,7 @@ PARAMS = {
     WorkerMethods.DEVICE: [],
     WorkerMethods.STAGE_IPC: ["update_json"],
     WorkerMethods.RECEIVE_IPC: ["update_json"],
+    WorkerMethods.WEIGHTS_INTACT: [],
     ActorMethods.STAGE_STORAGE: ["root", "version"],
     ActorMethods.RELEASE_STORAGE: ["root"],
 }

@@ -9,7 +9,7 @@ import pytest
 
 from torchrl_vllm_ext.engine.base import Engine
 from torchrl_vllm_ext.engine.replica import ReplicaSpec, VLLMReplica
-from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.errors import PartialLoadError, WeightSyncError
 
 
 class RecordingEngine(Engine):
@@ -153,3 +153,35 @@ def test_a_full_wake_up_keeps_the_services_pause():
     asyncio.run(run())
     # vLLM resumes scheduling on a full wake-up: the replica pauses again.
     assert engine.calls[-1] == ("pause", "keep", False)
+
+
+class FailingLoadEngine(RecordingEngine):
+    """Its load fails; ``weights_intact`` says whether it had begun writing."""
+
+    def __init__(self, intact: bool):
+        super().__init__()
+        self.intact = intact
+
+    async def collective_rpc(self, method, args=(), kwargs=None):
+        self.calls.append(("rpc", method))
+        if method == "weights_intact":
+            return [self.intact]
+        raise RuntimeError("worker out of memory")
+
+
+@pytest.mark.parametrize("intact", [True, False])
+def test_a_failed_load_resumes_only_weights_it_did_not_touch(intact):
+    r, _ = replica()
+    r.engine = engine = FailingLoadEngine(intact)
+    raised = PartialLoadError if not intact else WeightSyncError
+    with pytest.raises(raised, match="worker out of memory") as err:
+        update(r, "5")
+    assert isinstance(err.value, PartialLoadError) is (not intact)
+    assert engine.calls[:3] == [
+        ("pause", "abort", True),
+        ("rpc", "load_staged_weights"),
+        ("rpc", "weights_intact"),
+    ]
+    # Half-written weights never serve: the replica stays paused until it is restarted.
+    assert (("resume",) in engine.calls) is intact
+    assert engine.version == "0"

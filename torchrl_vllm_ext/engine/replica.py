@@ -36,12 +36,13 @@ from torchrl_vllm_ext.engine.validation import make_sampling_params, with_seed
 from torchrl_vllm_ext.errors import (
     GenerationTimeoutError,
     InvalidRequestError,
+    PartialLoadError,
     ReplicaDeadError,
     ReplicaStartupError,
     WeightSyncError,
 )
 from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats
-from torchrl_vllm_ext.protocol import load_class
+from torchrl_vllm_ext.protocol import WorkerMethods, load_class
 
 logger = logging.getLogger(__name__)
 
@@ -446,8 +447,19 @@ class VLLMReplica:
         if steps.pause:  # 1) pause
             await engine.pause(pause_mode, clear_cache=cleared)
         t1 = time.perf_counter()
+        intact = True
         try:
-            reported = await self.collective_rpc(method, tuple(args))  # 2) load
+            try:
+                reported = await self.collective_rpc(method, tuple(args))  # 2) load
+            except WeightSyncError as e:
+                intact = await self._weights_intact()
+                if not intact:
+                    raise PartialLoadError(
+                        f"replica {self.replica_id}: the load of version {version} failed "
+                        f"after it began writing the weights ({e}); it stays paused and is "
+                        "restarted, as it serves weights nobody pushed."
+                    ) from e
+                raise
             t2 = time.perf_counter()
             if any(str(v) != str(version) for v in reported):  # 3) verify
                 raise WeightSyncError(
@@ -463,7 +475,7 @@ class VLLMReplica:
             else:
                 await self.reset_prefix_cache()
         finally:
-            if steps.pause:
+            if steps.pause and intact:
                 await engine.resume()  # 5) resume
         t3 = time.perf_counter()
         return {
@@ -472,6 +484,14 @@ class VLLMReplica:
             "load_s": t2 - t1,
             "probe_now": steps.probe_now,
         }
+
+    async def _weights_intact(self) -> bool:
+        """Whether every worker's parameters are as the last good load left them (a worker
+        that cannot say counts as written)."""
+        try:
+            return all(await self.collective_rpc(WorkerMethods.WEIGHTS_INTACT))
+        except WeightSyncError:
+            return False
 
     async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
         """Log-probs the served weights give ``token_ids[1:]``: one scoring request beside

@@ -39,7 +39,7 @@ import torch
 from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.engine.base import check_pause_mode
 from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaView
-from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
+from torchrl_vllm_ext.errors import ConfigurationError, PartialLoadError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.arrival import ArrivalCheck
 from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames
 from torchrl_vllm_ext.weight_sync.packing import DEFAULT_BUCKET_BYTES
@@ -408,6 +408,11 @@ class WeightSyncScheme:
             loaded = await self.service.pool.call_each(
                 update, group, "update_weights", deadline=deadline
             )
+            for view in group:  # half-written weights: restarted, as a failed value check
+                cause = loaded.errors.get(view.replica_id)
+                if isinstance(cause, PartialLoadError):
+                    logger.error("%s", cause)
+                    self.service.pool.discard(view, cause, "partial load")
             await self.arrival.check(
                 loaded, expected, version, phases if phases is not None else {}
             )
@@ -438,6 +443,12 @@ class WeightSyncScheme:
             if loaded
             else "no replica loaded it; every replica keeps its previous weights"
         )
+        partial = sorted(r for r, c in loads.errors.items() if isinstance(c, PartialLoadError))
+        if partial:
+            serving += (
+                f" (replicas {partial} had begun writing it: they are restarted at the "
+                "version the service serves)"
+            )
         return WeightSyncError(
             f"load of version {version} failed on replica {rid}: {cause}; {serving}. Push again."
         )

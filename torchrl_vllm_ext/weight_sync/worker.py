@@ -19,7 +19,7 @@ import torch
 
 from torchrl_vllm_ext._compat import worker_reload_weights
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.protocol import TEST_SKIP_LOAD_ENV
+from torchrl_vllm_ext.protocol import TEST_FAIL_HALF_WAY, TEST_SKIP_LOAD_ENV
 from torchrl_vllm_ext.weight_sync import cpu_layout
 from torchrl_vllm_ext.weight_sync.collective import make_process_group
 from torchrl_vllm_ext.weight_sync.ipc import device_uuid, open_bucket
@@ -268,27 +268,42 @@ class WeightSyncWorkerExtension:
 
     # ------------------------------------------------------------------ shared
     def _tvllm_load(self, named_tensors, version: str) -> None:
-        named_tensors = _skip_for_test(named_tensors, version)
+        named_tensors, fail = _skip_for_test(named_tensors, version)
         model = self.get_model()
+        # Set until the load completes: one that fails from here on may have written some
+        # parameters, and the replica must not serve them (weights_intact says so).
+        self._tvllm_writing = version
         if cpu_layout.loads_in_place(model):
             # The model's own loader maps HF names onto fused/sharded parameters and
             # copies into them: the served tensors stay where they are.
             model.load_weights(iter(named_tensors))
-            return
-        # Packed (CPU oneDNN), expert (MoE) or quantized weights: vLLM's layerwise reload
-        # redoes the post-load processing of every layer (and _compat what it misses).
-        worker_reload_weights(self, named_tensors)
+        else:
+            # Packed (CPU oneDNN), expert (MoE) or quantized weights: vLLM's layerwise
+            # reload redoes the post-load processing of every layer (and _compat what it
+            # misses).
+            worker_reload_weights(self, named_tensors)
+        if fail:
+            raise RuntimeError(f"test hook {TEST_SKIP_LOAD_ENV}: load of {version} failed half-way")
+        self._tvllm_writing = None
+
+    def weights_intact(self) -> bool:
+        """False after a load that failed once it had begun writing the parameters."""
+        return getattr(self, "_tvllm_writing", None) is None
 
 
 def _skip_for_test(named_tensors, version: str):
-    """Leave out the tensors a test names for ``version`` (:data:`TEST_SKIP_LOAD_ENV`)."""
+    """``(tensors, fail)``: the tensors a test leaves out of ``version`` left out, or half of
+    them with ``fail`` set (:data:`TEST_SKIP_LOAD_ENV`)."""
     skip = skipped_for_test(os.environ.get(TEST_SKIP_LOAD_ENV, ""), version)
     if not skip:
-        return named_tensors
+        return named_tensors, False
     logger.warning(
         "test hook %s: not loading %s of version %s", TEST_SKIP_LOAD_ENV, sorted(skip), version
     )
-    return [(n, t) for n, t in named_tensors if n not in skip]
+    if TEST_FAIL_HALF_WAY in skip:
+        named_tensors = list(named_tensors)
+        return named_tensors[: len(named_tensors) // 2], True
+    return [(n, t) for n, t in named_tensors if n not in skip], False
 
 
 def skipped_for_test(knob: str, version: str) -> set[str]:
