@@ -31,6 +31,8 @@ def test_the_last_exception_line_wins_and_the_outer_error_is_skipped():
         "torch.OutOfMemoryError: CUDA out of memory."
     )
     assert last_exception("INFO all good\nloaded 3 layers\n") is None
+    ray_worker = "ray.exceptions.RayTaskError(OutOfMemoryError): ray::RayWorkerWrapper() (pid=9)"
+    assert last_exception(ENGINE_CORE_DEATH + ray_worker + "\n" + OUTER) == ray_worker
 
 
 def run_with_stderr_file(tmp_path, code: str) -> str:

@@ -18,11 +18,13 @@ READ_LIMIT = 256 << 10  # the tail of a long log is enough: the traceback comes 
 SEE_ABOVE = "root cause above"
 """vLLM's words when the cause is only in the engine-core process's output."""
 
-# ``ValueError: ...`` / ``torch.OutOfMemoryError: ...``, possibly after vLLM's
-# ``(EngineCore_DP0 pid=42) `` prefix on a child process's lines.
+# ``ValueError: ...`` / ``torch.OutOfMemoryError: ...`` / a Ray worker's
+# ``ray.exceptions.RayTaskError(OutOfMemoryError): ...`` (tensor-parallel workers), possibly
+# after vLLM's ``(EngineCore_DP0 pid=42) `` prefix on a child process's lines.
 _EXCEPTION_LINE = re.compile(
     r"^(?:\([\w.-]+ pid=\d+\)\s*)?"
-    r"(?P<line>(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit): .+)$"
+    r"(?P<line>(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)"
+    r"(?:\([\w.]+\))?: .+)$"
 )
 
 
