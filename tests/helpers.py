@@ -499,12 +499,14 @@ def wait_no_new_semaphores(before: set[str], timeout: float = 30) -> None:
     A process that dies unlinks nothing itself: its multiprocessing resource tracker (a
     child that outlives it) unlinks its semaphores once it sees it gone, a moment later.
     """
-    wait_until(
-        lambda: not {n for n in shm_names() - before if n.startswith("sem.")},
-        timeout,
-        interval=0.2,
-        what=f"new named semaphores to go: {sorted(n for n in shm_names() - before if n.startswith('sem.'))}",
-    )
+
+    def new() -> list[str]:
+        return sorted(n for n in shm_names() - before if n.startswith("sem."))
+
+    try:
+        wait_until(lambda: not new(), timeout, interval=0.2, what="new named semaphores to go")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; still there: {new()}") from None
 
 
 def shm_leaks(before: set[str], tag: str) -> tuple[list[str], list[str]]:

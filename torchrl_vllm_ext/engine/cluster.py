@@ -22,7 +22,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from torchrl_vllm_ext import _compat
-from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT, engine_env_defaults
+from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT
 from torchrl_vllm_ext.engine import placement
 from torchrl_vllm_ext.errors import InsufficientResourcesError, ReplicaDeadError
 from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV, TEST_SKIP_LOAD_ENV
@@ -117,7 +117,7 @@ def _loopback_only() -> Iterator[None]:
 
 
 def _engine_env() -> dict[str, str]:
-    env = engine_env_defaults()
+    env = _compat.engine_env_defaults()
     # Forward the user's vLLM settings to the replicas; the in-process switch only applies
     # to the caller's own vllm.LLM (AsyncLLM replicas always run a separate engine core).
     env.update(

@@ -23,7 +23,7 @@ SEE_ABOVE = "root cause above"
 # after vLLM's ``(EngineCore_DP0 pid=42) `` prefix on a child process's lines.
 _EXCEPTION_LINE = re.compile(
     r"^(?:\([\w.-]+ pid=\d+\)\s*)?"
-    r"(?P<line>(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)"
+    r"(?P<line>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit)"
     r"(?:\([\w.]+\))?: .+)$"
 )
 

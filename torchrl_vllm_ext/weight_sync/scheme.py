@@ -410,8 +410,7 @@ class WeightSyncScheme:
             )
             for view in group:  # half-written weights: restarted, as a failed value check
                 cause = loaded.errors.get(view.replica_id)
-                if isinstance(cause, PartialLoadError):
-                    logger.error("%s", cause)
+                if isinstance(cause, PartialLoadError):  # the pool logs it with the restart
                     self.service.pool.discard(view, cause, "partial load")
             await self.arrival.check(
                 loaded, expected, version, phases if phases is not None else {}

@@ -283,7 +283,7 @@ class WeightSyncWorkerExtension:
             # misses).
             worker_reload_weights(self, named_tensors)
         if fail:
-            raise RuntimeError(f"test hook {TEST_SKIP_LOAD_ENV}: load of {version} failed half-way")
+            raise RuntimeError(f"test hook: load of {version} failed half-way")
         self._tvllm_writing = None
 
     def weights_intact(self) -> bool:
