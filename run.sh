@@ -10,14 +10,16 @@ cd "$(dirname "$0")"
 
 VENV="${TORCHRL_VLLM_VENV:-.venv}"
 
+# The first interpreter vLLM and TorchRL support (3.11-3.14; pyproject.toml says the same).
 find_python() {
-  for py in python3.11 python3 python; do
+  for py in python3.11 python3.12 python3.13 python3.14 python3 python; do
     if command -v "$py" >/dev/null 2>&1 && \
-       "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+       "$py" -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 14))' 2>/dev/null; then
+      echo "[setup] using $("$py" -c 'import sys; print(sys.executable, sys.version.split()[0])')" >&2
       echo "$py"; return 0
     fi
   done
-  echo "error: Python 3.11 is required (vLLM and TorchRL wheels); install it and retry." >&2
+  echo "error: Python 3.11, 3.12, 3.13 or 3.14 is required (vLLM and TorchRL wheels); install one and retry." >&2
   return 1
 }
 

@@ -116,6 +116,42 @@ def replica_logprobs(service, ids=SEQUENCE) -> dict[int, tuple[torch.Tensor, str
     return {d.replica_id: (torch.tensor(d.prompt_logprobs[1:]), d.weight_version_end) for d in data}
 
 
+# ---------------------------------------------------------------------- GPU tier
+GPU_ENGINE_KWARGS = {"dtype": "bfloat16", "max_model_len": 256}  # CUDA graphs on: no enforce_eager
+
+
+def served_prompt_logprobs(service, ids=SEQUENCE) -> dict[int, torch.Tensor]:
+    """{replica_id: log-probs of ``ids[1:]``} as each replica serves them (prompt log-probs)."""
+    return {rid: lp for rid, (lp, _) in replica_logprobs(service, ids).items()}
+
+
+def served_decode(service, prompt: list[int], max_tokens: int = 24) -> dict[int, tuple]:
+    """{replica_id: (greedy token ids, their log-probs)}: one request per replica, the same
+    batch shape every call (so CUDA-graph decode is comparable bitwise from call to call)."""
+    data = service.generate_request_data(
+        [prompt] * service.num_replicas,
+        {"max_tokens": max_tokens, "temperature": 0.0, "logprobs": 0},
+        routing="round_robin",
+    )
+    assert {d.replica_id for d in data} == set(service.replica_ids)
+    return {
+        d.replica_id: (
+            tuple(int(t) for t in d.samples[0].token_ids),
+            torch.tensor(np.asarray(d.samples[0].logprobs)),
+        )
+        for d in data
+    }
+
+
+def cuda_trainer_logprobs(model, ids=SEQUENCE) -> torch.Tensor:
+    """``hf_token_logprobs`` for a model on its own device, log-softmax in float32, on CPU."""
+    device = next(model.parameters()).device
+    x = torch.tensor([ids], device=device)
+    with torch.no_grad():
+        logp = torch.log_softmax(model(x).logits.float()[0, :-1], dim=-1)
+    return logp.gather(-1, x[0, 1:, None])[:, 0].cpu()
+
+
 def assert_replicas_match(
     service, model, version: str, tol: float = 1e-4, dtype: str = "float32"
 ) -> float:
