@@ -46,7 +46,7 @@ def local_ray():
     beyond the 2 physical cores let fractional replicas scale in tests."""
     import ray
 
-    from torchrl_vllm_ext.engine import cluster
+    from torchrl_vllm_ext.engine.driver import cluster
 
     owns = cluster.ensure_ray(num_cpus=4)
     yield

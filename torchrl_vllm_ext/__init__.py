@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "VLLMService": "torchrl_vllm_ext.engine.service",
+    "VLLMService": "torchrl_vllm_ext.engine.driver.service",
     "ServiceConfig": "torchrl_vllm_ext.engine.config",
     "VLLMPolicy": "torchrl_vllm_ext.wrappers",
     "WeightSyncScheme": "torchrl_vllm_ext.weight_sync.scheme",
@@ -27,9 +27,9 @@ _EXPORTS = {
     "ScriptedChat": "torchrl_vllm_ext.envs",
     "AdapterReport": "torchrl_vllm_ext.weight_sync.adapters",
     "PolicyOptions": "torchrl_vllm_ext.wrappers.options",
-    "ReplicaPool": "torchrl_vllm_ext.engine.pool",
-    "ReplicaState": "torchrl_vllm_ext.engine.pool",
-    "ReplicaView": "torchrl_vllm_ext.engine.pool",
+    "ReplicaPool": "torchrl_vllm_ext.engine.driver.pool",
+    "ReplicaState": "torchrl_vllm_ext.engine.driver.pool",
+    "ReplicaView": "torchrl_vllm_ext.engine.driver.pool",
     "ReplicaDeath": "torchrl_vllm_ext.messages",
     "ReplicaInfo": "torchrl_vllm_ext.messages",
     "ReplicaStats": "torchrl_vllm_ext.messages",

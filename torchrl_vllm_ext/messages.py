@@ -111,12 +111,3 @@ class ReplicaStats:
     """Weight version the engine serves."""
     paused: bool
     """Whether generation is paused."""
-
-
-def __getattr__(name: str):
-    # NOTE: RequestBatch moved to torchrl_vllm_ext.batches; old imports keep working.
-    if name == "RequestBatch":
-        from torchrl_vllm_ext.batches import RequestBatch
-
-        return RequestBatch
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

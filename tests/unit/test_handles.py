@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from torchrl_vllm_ext.engine.config import ServiceConfig
-from torchrl_vllm_ext.engine.directory import ReplicaDirectory, ReplicaTable
-from torchrl_vllm_ext.engine.handle_pool import HandlePool
-from torchrl_vllm_ext.engine.owner import FORWARDED, owner_only, twins
-from torchrl_vllm_ext.engine.pool import ReplicaView
+from torchrl_vllm_ext.engine.fleet import ReplicaView
+from torchrl_vllm_ext.engine.handles.directory import ReplicaDirectory, ReplicaTable
+from torchrl_vllm_ext.engine.handles.owner import FORWARDED, owner_only, twins
+from torchrl_vllm_ext.engine.handles.pool import HandlePool
 from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, ServiceClosedError
 from torchrl_vllm_ext.messages import ReplicaInfo
 from torchrl_vllm_ext.weight_sync.torchrl_sender import ServiceSyncScheme

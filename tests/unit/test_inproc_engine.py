@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from torchrl_vllm_ext.engine.inproc import InprocEngine
+from torchrl_vllm_ext.engine.replica.inproc import InprocEngine
 
 
 @dataclass
@@ -186,7 +186,7 @@ def test_a_failed_step_fails_every_caller_and_marks_the_engine_dead():
 def test_which_replicas_run_their_engine_in_process(use_gpu, workers, engine_process, expected):
     from types import SimpleNamespace
 
-    from torchrl_vllm_ext.engine.cluster import ReplicaResources, in_process_engine
+    from torchrl_vllm_ext.engine.driver.cluster import ReplicaResources, in_process_engine
 
     res = ReplicaResources(use_gpu=use_gpu, num_workers=workers, cpus=1.0)
     assert in_process_engine(res, SimpleNamespace(engine_process=engine_process)) is expected

@@ -1,4 +1,4 @@
-"""Which node each replica goes to (engine/placement.py, cluster.ReplicaResources)."""
+"""Which node each replica goes to (engine/driver/placement.py, cluster.ReplicaResources)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from torchrl_vllm_ext.engine.cluster import ReplicaResources
+from torchrl_vllm_ext.engine.driver.cluster import ReplicaResources
 from torchrl_vllm_ext.engine.placement import Node, plan
 from torchrl_vllm_ext.errors import InsufficientResourcesError
 
@@ -74,7 +74,7 @@ def test_a_node_to_avoid_is_taken_only_when_no_other_fits():
 
 
 def test_replicas_sharing_a_gpu_split_its_memory():
-    from torchrl_vllm_ext.engine.cluster import actor_options, engine_kwargs
+    from torchrl_vllm_ext.engine.driver.cluster import actor_options, engine_kwargs
 
     half = ReplicaResources(use_gpu=True, num_workers=1, cpus=1.0, gpus=0.5)
     assert half.bundles() == [{"GPU": 0.5, "CPU": 1.0}]

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from torchrl_vllm_ext.engine.base import Engine
-from torchrl_vllm_ext.engine.replica import ReplicaSpec, VLLMReplica
+from torchrl_vllm_ext.engine.replica.actor import ReplicaSpec, VLLMReplica
+from torchrl_vllm_ext.engine.replica.engine import Engine
 from torchrl_vllm_ext.errors import PartialLoadError, WeightSyncError
 
 

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from torchrl_vllm_ext.engine.config import ServiceConfig
-from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView
+from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
+from torchrl_vllm_ext.engine.fleet import ReplicaView
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.messages import ReplicaInfo
 from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme

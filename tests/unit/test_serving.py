@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from torchrl_vllm_ext.engine import cluster
-from torchrl_vllm_ext.engine.pool import ReplicaPool
+from torchrl_vllm_ext.engine.driver import cluster
+from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
 from torchrl_vllm_ext.engine.serving import ServingState, restart_steps, update_steps
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from torchrl_vllm_ext.engine.stderr_tail import StderrMark, explain, last_exception
+from torchrl_vllm_ext.engine.replica.stderr_tail import StderrMark, explain, last_exception
 
 ENGINE_CORE_DEATH = """\
 (EngineCore_DP0 pid=4242) Process EngineCore_DP0:
@@ -54,7 +54,7 @@ def run_with_stderr_file(tmp_path, code: str) -> str:
 def test_a_mark_reads_only_what_a_child_wrote_after_it(tmp_path):
     code = f"""
 import subprocess, sys
-from torchrl_vllm_ext.engine.stderr_tail import StderrMark, explain
+from torchrl_vllm_ext.engine.replica.stderr_tail import StderrMark, explain
 mark = StderrMark()
 # the engine core: a child process inheriting stderr, dying with a traceback
 subprocess.run([sys.executable, "-c", {ENGINE_CORE_DEATH!r} and "raise ValueError('KV cache too small')"])

@@ -11,9 +11,9 @@ import torch
 from torchrl.modules.llm import TransformersWrapper
 
 from torchrl_vllm_ext import InvalidRequestError, VLLMPolicy, WeightSyncError, WeightSyncScheme
-from torchrl_vllm_ext.engine.prompt_forms import encode_texts, parse_prompts
-from torchrl_vllm_ext.engine.service import VLLMService
-from torchrl_vllm_ext.engine.torchrl_engine import (
+from torchrl_vllm_ext.engine.driver.prompt_forms import encode_texts, parse_prompts
+from torchrl_vllm_ext.engine.driver.service import VLLMService
+from torchrl_vllm_ext.engine.driver.torchrl_engine import (
     from_pretrained_kwargs,
     lora_name,
     register_engine,

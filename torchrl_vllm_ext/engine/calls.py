@@ -15,8 +15,22 @@ from typing import Any
 
 import ray
 
-from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS, actor_cause
 from torchrl_vllm_ext.errors import ReplicaDeadError
+
+DEATH_ERRORS = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.ActorUnavailableError,
+    ReplicaDeadError,
+)
+"""What a call to a replica actor raises when the replica (or its engine) is gone."""
+
+
+def actor_cause(error: BaseException) -> BaseException:
+    """The exception an actor method raised, out of Ray's ``RayTaskError`` wrapper."""
+    if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
+        return error.cause
+    return error
+
 
 Died = Callable[[Any, BaseException, str], ReplicaDeadError]
 """``died(view, error, what)``: apply a death policy to ``view``'s replica; the caller's error."""

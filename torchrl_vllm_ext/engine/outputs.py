@@ -1,7 +1,7 @@
 """vLLM outputs <-> the package's plain data, both directions in one place.
 
 - Replica side: :func:`pack_outputs` turns a batch's final vLLM ``RequestOutput``s into
-  one :class:`~torchrl_vllm_ext.messages.RequestBatch` of flat arrays.
+  one :class:`~torchrl_vllm_ext.batches.RequestBatch` of flat arrays.
 - Driver side: :func:`to_request_output` rebuilds a vLLM ``RequestOutput`` from a
   :class:`~torchrl_vllm_ext.messages.RequestData`, for callers of ``service.generate``.
 """

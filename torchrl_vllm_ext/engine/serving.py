@@ -17,10 +17,32 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from torchrl_vllm_ext._compat import PAUSE_MODES, PauseMode
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 
 SLEEP_TAGS = ("weights", "kv_cache")
 """What vLLM's sleep mode frees, and ``wake_up(tags)`` restores."""
+
+
+def check_pause_mode(mode: str) -> PauseMode:
+    """``mode`` if it is one of vLLM's pause modes; a typed error naming them otherwise.
+
+    The one check of a pause mode, wherever one enters (service, scheme, replica, engine).
+
+    Examples:
+        >>> check_pause_mode("keep")
+        'keep'
+        >>> check_pause_mode("freeze")
+        Traceback (most recent call last):
+        ...
+        torchrl_vllm_ext.errors.ConfigurationError: pause mode 'freeze' is not one of vLLM's ('abort', 'wait', 'keep'): 'abort' ends in-flight requests, 'wait' lets them finish, 'keep' freezes them until resume.
+    """
+    if mode not in PAUSE_MODES:
+        raise ConfigurationError(
+            f"pause mode {mode!r} is not one of vLLM's {PAUSE_MODES}: 'abort' ends in-flight "
+            "requests, 'wait' lets them finish, 'keep' freezes them until resume."
+        )
+    return mode
 
 
 def check_wake_tags(tags) -> frozenset[str] | None:

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 
-from torchrl_vllm_ext.engine.pool import Outcomes
+from torchrl_vllm_ext.engine.driver.pool import Outcomes
 from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.transports.base import Replicas
 from torchrl_vllm_ext.weight_sync.verify import (

@@ -37,8 +37,9 @@ import ray
 import torch
 
 from torchrl_vllm_ext.deadlines import Deadline
-from torchrl_vllm_ext.engine.base import check_pause_mode
-from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaView
+from torchrl_vllm_ext.engine.calls import Outcomes
+from torchrl_vllm_ext.engine.fleet import ReplicaView
+from torchrl_vllm_ext.engine.serving import check_pause_mode
 from torchrl_vllm_ext.errors import ConfigurationError, PartialLoadError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.arrival import ArrivalCheck
 from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames

@@ -1,4 +1,4 @@
-"""Generated samples (a :class:`~torchrl_vllm_ext.messages.RequestBatch`) -> TorchRL's LLM layout.
+"""Generated samples (a :class:`~torchrl_vllm_ext.batches.RequestBatch`) -> TorchRL's LLM layout.
 
 The output follows ``torchrl.modules.llm.policies``: ``Tokens``, ``LogProbs`` and ``Masks``
 tensorclasses (plus ``Text`` / ``ChatHistory`` where they apply) under the top-level keys

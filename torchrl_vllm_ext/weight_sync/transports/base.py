@@ -20,7 +20,8 @@ from typing import ClassVar
 
 import torch
 
-from torchrl_vllm_ext.engine.pool import Outcomes, ReplicaFleet, ReplicaView
+from torchrl_vllm_ext.engine.calls import Outcomes
+from torchrl_vllm_ext.engine.fleet import ReplicaFleet, ReplicaView
 from torchrl_vllm_ext.errors import WeightSyncError
 
 logger = logging.getLogger(__name__)

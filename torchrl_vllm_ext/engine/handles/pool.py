@@ -1,7 +1,7 @@
 """HandlePool: the replicas as a service handle in another process sees them.
 
-It answers what :class:`~.generation.Generation` and the service's control calls ask of
-a :class:`~.pool.ReplicaPool` (the ready snapshot, ``call_all`` / ``call``, leases,
+It answers what :class:`~torchrl_vllm_ext.engine.driver.generation.Generation` and the service's control calls ask of
+a :class:`~torchrl_vllm_ext.engine.driver.pool.ReplicaPool` (the ready snapshot, ``call_all`` / ``call``, leases,
 limits, the weight version), fed by the owner's :class:`~.directory.ReplicaTable`, which
 a task on the handle's event loop keeps watching. It starts, stops and restarts nothing:
 a replica it finds dead leaves its snapshot at once (the batch is retried on the others)
@@ -19,8 +19,8 @@ from types import MappingProxyType
 
 from torchrl_vllm_ext.engine.calls import ReplicaCalls
 from torchrl_vllm_ext.engine.config import ServiceConfig
-from torchrl_vllm_ext.engine.directory import ReplicaTable
-from torchrl_vllm_ext.engine.pool import ReplicaState, ReplicaView
+from torchrl_vllm_ext.engine.fleet import ReplicaState, ReplicaView
+from torchrl_vllm_ext.engine.handles.directory import ReplicaTable
 from torchrl_vllm_ext.errors import (
     ConfigurationError,
     NoHealthyReplicaError,

@@ -1,15 +1,16 @@
 """The engine interface of a replica: one small set of calls, one adapter per engine kind.
 
-:class:`~torchrl_vllm_ext.engine.replica.VLLMReplica` talks to its engine only through
+:class:`~torchrl_vllm_ext.engine.replica.actor.VLLMReplica` talks to its engine only through
 :class:`Engine`, so it has no branch on the engine kind:
 
-- :class:`~torchrl_vllm_ext.engine.inproc.InprocEngine`: vLLM's ``LLMEngine`` stepped by a
+- :class:`~torchrl_vllm_ext.engine.replica.inproc.InprocEngine`: vLLM's ``LLMEngine`` stepped by a
   thread of the actor (CPU replicas with one worker: no engine-core process, no IPC per step);
-- :class:`~torchrl_vllm_ext.engine.async_engine.AsyncEngine`: vLLM's ``AsyncLLM`` with its
+- :class:`~torchrl_vllm_ext.engine.replica.async_engine.AsyncEngine`: vLLM's ``AsyncLLM`` with its
   engine-core process (GPU and tensor/pipeline-parallel replicas).
 
 Both give the same tokens and log-probs. Pause modes are vLLM's (``abort`` / ``wait`` /
-``keep``) and are checked here, once, for both.
+``keep``), checked by :func:`~torchrl_vllm_ext.engine.serving.check_pause_mode` for both.
+Which adapter a replica gets: :func:`~torchrl_vllm_ext.engine.replica.actor.engine_class`.
 """
 
 from __future__ import annotations
@@ -18,29 +19,9 @@ import abc
 from collections.abc import Sequence
 from typing import Any
 
-from torchrl_vllm_ext._compat import PAUSE_MODES, EngineLimits, PauseMode, SchedulerLoad
+from torchrl_vllm_ext._compat import EngineLimits, PauseMode, SchedulerLoad
+from torchrl_vllm_ext.engine.serving import check_pause_mode
 from torchrl_vllm_ext.errors import ConfigurationError
-
-
-def check_pause_mode(mode: str) -> PauseMode:
-    """``mode`` if it is one of vLLM's pause modes; a typed error naming them otherwise.
-
-    The one check of a pause mode, wherever one enters (service, scheme, replica, engine).
-
-    Examples:
-        >>> check_pause_mode("keep")
-        'keep'
-        >>> check_pause_mode("freeze")
-        Traceback (most recent call last):
-        ...
-        torchrl_vllm_ext.errors.ConfigurationError: pause mode 'freeze' is not one of vLLM's ('abort', 'wait', 'keep'): 'abort' ends in-flight requests, 'wait' lets them finish, 'keep' freezes them until resume.
-    """
-    if mode not in PAUSE_MODES:
-        raise ConfigurationError(
-            f"pause mode {mode!r} is not one of vLLM's {PAUSE_MODES}: 'abort' ends in-flight "
-            "requests, 'wait' lets them finish, 'keep' freezes them until resume."
-        )
-    return mode
 
 
 class Engine(abc.ABC):
@@ -48,7 +29,8 @@ class Engine(abc.ABC):
 
     Examples:
         >>> from vllm.engine.arg_utils import AsyncEngineArgs
-        >>> engine = await engine_class(in_process=True).start(
+        >>> from torchrl_vllm_ext.engine.replica.inproc import InprocEngine
+        >>> engine = await InprocEngine.start(
         ...     AsyncEngineArgs(model=model_dir, dtype="float32")
         ... )  # doctest: +SKIP
         >>> await engine.pause("keep"); await engine.resume()  # doctest: +SKIP
@@ -162,14 +144,3 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop the engine and its processes or threads."""
-
-
-def engine_class(in_process: bool) -> type[Engine]:
-    """The adapter of an engine kind (imported lazily: each pulls in vLLM)."""
-    if in_process:
-        from torchrl_vllm_ext.engine.inproc import InprocEngine
-
-        return InprocEngine
-    from torchrl_vllm_ext.engine.async_engine import AsyncEngine
-
-    return AsyncEngine

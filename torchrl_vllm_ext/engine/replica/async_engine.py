@@ -1,4 +1,4 @@
-"""vLLM's ``AsyncLLM`` behind the replica's :class:`~torchrl_vllm_ext.engine.base.Engine`.
+"""vLLM's ``AsyncLLM`` behind the replica's :class:`~torchrl_vllm_ext.engine.replica.engine.Engine`.
 
 The engine core runs in a child process (GPU and tensor/pipeline-parallel replicas,
 whose engine core overlaps output processing with the next step). Load statistics are
@@ -23,7 +23,7 @@ from torchrl_vllm_ext._compat import (
     tokens_so_far,
     vllm_engine_api,
 )
-from torchrl_vllm_ext.engine.base import Engine
+from torchrl_vllm_ext.engine.replica.engine import Engine
 
 
 def _stats_sink(sink: dict):

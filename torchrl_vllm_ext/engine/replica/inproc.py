@@ -34,7 +34,7 @@ from torchrl_vllm_ext._compat import (
     inproc_shutdown,
     tokens_so_far,
 )
-from torchrl_vllm_ext.engine.base import Engine
+from torchrl_vllm_ext.engine.replica.engine import Engine
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torchrl_vllm_ext.engine.base import check_pause_mode
 from torchrl_vllm_ext.engine.config import ServiceConfig
+from torchrl_vllm_ext.engine.serving import check_pause_mode
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.messages import ReplicaStats
 

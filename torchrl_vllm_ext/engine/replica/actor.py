@@ -1,7 +1,7 @@
-"""The replica: a Ray actor that hosts one vLLM v1 engine behind :class:`~.base.Engine`.
+"""The replica: a Ray actor that hosts one vLLM v1 engine behind :class:`~.engine.Engine`.
 
 One actor call generates a whole batch (the prompts run concurrently inside the
-engine); results come back as one :class:`~torchrl_vllm_ext.messages.RequestBatch`.
+engine); results come back as one :class:`~torchrl_vllm_ext.batches.RequestBatch`.
 Weight updates are one generic sequence (:meth:`VLLMReplica.update_weights`) around a
 worker-extension method that the caller names; the replica knows no transport.
 """
@@ -28,10 +28,10 @@ from torchrl_vllm_ext._compat import (
 )
 from torchrl_vllm_ext.batches import PromptBatch, RequestBatch
 from torchrl_vllm_ext.engine.adapters import Adapter, stage_files
-from torchrl_vllm_ext.engine.base import Engine, check_pause_mode, engine_class
 from torchrl_vllm_ext.engine.outputs import pack_outputs, prompt_logprobs_of
-from torchrl_vllm_ext.engine.serving import ServingState, update_steps
-from torchrl_vllm_ext.engine.stderr_tail import StderrMark, explain
+from torchrl_vllm_ext.engine.replica.engine import Engine
+from torchrl_vllm_ext.engine.replica.stderr_tail import StderrMark, explain
+from torchrl_vllm_ext.engine.serving import ServingState, check_pause_mode, update_steps
 from torchrl_vllm_ext.engine.validation import make_sampling_params, with_seed
 from torchrl_vllm_ext.errors import (
     GenerationTimeoutError,
@@ -103,10 +103,10 @@ class ReplicaSpec:
     """Version label the engine starts with."""
     env: dict[str, str | None] = field(default_factory=dict)
     """Environment of the engine's processes (None: unset), which inherit the actor's; see
-    :func:`torchrl_vllm_ext.engine.cluster.process_env`."""
+    :func:`torchrl_vllm_ext.engine.driver.cluster.process_env`."""
     in_process: bool = False
     """Run vLLM's ``LLMEngine`` in the actor instead of ``AsyncLLM`` and its engine-core
-    process (see :mod:`torchrl_vllm_ext.engine.base`)."""
+    process (see :mod:`torchrl_vllm_ext.engine.replica.engine`)."""
     actor_extension: str | None = None
     """Dotted path of a class instantiated in the actor, whose public methods
     :meth:`VLLMReplica.extension_call` runs (see :mod:`torchrl_vllm_ext.protocol`)."""
@@ -203,7 +203,7 @@ class VLLMReplica:
 
     def visible_devices(self) -> tuple[str, str]:
         """``(node, CUDA_VISIBLE_DEVICES)`` of this actor, before its engine starts (replicas
-        sharing a GPU start one at a time: :func:`~.cluster.start_lock_key`)."""
+        sharing a GPU start one at a time: :func:`~torchrl_vllm_ext.engine.driver.cluster.start_lock_key`)."""
         import ray
 
         return ray.util.get_node_ip_address(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
@@ -582,3 +582,14 @@ class VLLMReplica:
                 f"replica {self.replica_id} has no engine (not started or shut down)."
             )
         return self.engine
+
+
+def engine_class(in_process: bool) -> type[Engine]:
+    """The adapter of an engine kind (imported lazily: each pulls in vLLM)."""
+    if in_process:
+        from torchrl_vllm_ext.engine.replica.inproc import InprocEngine
+
+        return InprocEngine
+    from torchrl_vllm_ext.engine.replica.async_engine import AsyncEngine
+
+    return AsyncEngine

@@ -24,24 +24,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from torchrl_vllm_ext import _compat
 from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT
 from torchrl_vllm_ext.engine import placement
-from torchrl_vllm_ext.errors import InsufficientResourcesError, ReplicaDeadError
+from torchrl_vllm_ext.errors import InsufficientResourcesError
 from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV, TEST_SKIP_LOAD_ENV
 
 logger = logging.getLogger(__name__)
-
-DEATH_ERRORS = (
-    ray.exceptions.RayActorError,
-    ray.exceptions.ActorUnavailableError,
-    ReplicaDeadError,
-)
-"""What a call to a replica actor raises when the replica (or its engine) is gone."""
-
-
-def actor_cause(error: BaseException) -> BaseException:
-    """The exception an actor method raised, out of Ray's ``RayTaskError`` wrapper."""
-    if isinstance(error, ray.exceptions.RayTaskError) and error.cause is not None:
-        return error.cause
-    return error
 
 
 def ensure_ray(
@@ -341,7 +327,7 @@ def process_env(res: ReplicaResources, config) -> dict[str, str | None]:
 
 
 def in_process_engine(res: ReplicaResources, config) -> bool:
-    """Whether a replica runs vLLM's ``LLMEngine`` in its actor (engine/inproc.py).
+    """Whether a replica runs vLLM's ``LLMEngine`` in its actor (engine/replica/inproc.py).
 
     On CPU, a single-worker replica does: no engine-core process, no IPC per step
     (figures: docs/architecture.md). GPU and

@@ -7,13 +7,13 @@
 
 All of their state lives on one private event loop (:class:`~.loop.LoopThread`): the sync
 methods block on it and the ``a``-prefixed ones await it (both made from one coroutine,
-:func:`~.owner.twins`). Readers of the ready snapshot (``replica_ids``, ``replica_info``,
+:func:`~torchrl_vllm_ext.engine.handles.owner.twins`). Readers of the ready snapshot (``replica_ids``, ``replica_info``,
 ...) run on the caller's thread.
 
 The service pickles, as TorchRL's ``AsyncVLLM`` does: in another Ray process it is a
-handle to the same replicas (:mod:`.directory`, :class:`~.handle_pool.HandlePool`). A
+handle to the same replicas (:mod:`~torchrl_vllm_ext.engine.handles.directory`, :class:`~torchrl_vllm_ext.engine.handles.pool.HandlePool`). A
 handle generates and scores through them, sees the owner's weight version and deaths, and
-forwards what only the owner does (:func:`~.owner.owner_only`: pushes, pause, replicas,
+forwards what only the owner does (:func:`~torchrl_vllm_ext.engine.handles.owner.owner_only`: pushes, pause, replicas,
 adapters); closing a handle stops nothing.
 """
 
@@ -31,30 +31,22 @@ import ray
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._compat import vllm_engine_api
 from torchrl_vllm_ext.batches import RequestBatch
-from torchrl_vllm_ext.engine import cluster, handles
 from torchrl_vllm_ext.engine.adapters import AdapterRegistry
 from torchrl_vllm_ext.engine.config import ServiceConfig
-from torchrl_vllm_ext.engine.control import (
+from torchrl_vllm_ext.engine.driver import cluster
+from torchrl_vllm_ext.engine.driver.control import (
     CONTROL,
     FLEET_VIEW,
     OWNER_CONTROL,
     Control,
     FleetView,
 )
-from torchrl_vllm_ext.engine.generation import Generation
-from torchrl_vllm_ext.engine.handle_pool import HandlePool
-from torchrl_vllm_ext.engine.loop import LoopThread
-from torchrl_vllm_ext.engine.lora_serving import LoraServing
-from torchrl_vllm_ext.engine.owner import (
-    add_deprecated_aliases,
-    close_at_exit,
-    delegate,
-    owner_only,
-    twins,
-)
-from torchrl_vllm_ext.engine.pool import ReplicaPool, WeightsProvider
-from torchrl_vllm_ext.engine.prompt_forms import encode_texts, one_of, parse_prompts
-from torchrl_vllm_ext.engine.torchrl_engine import (
+from torchrl_vllm_ext.engine.driver.generation import Generation
+from torchrl_vllm_ext.engine.driver.loop import LoopThread
+from torchrl_vllm_ext.engine.driver.lora_serving import LoraServing
+from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
+from torchrl_vllm_ext.engine.driver.prompt_forms import encode_texts, one_of, parse_prompts
+from torchrl_vllm_ext.engine.driver.torchrl_engine import (
     ENGINE_CALLS,
     OWNER_ENGINE_CALLS,
     TorchRLEngine,
@@ -64,7 +56,17 @@ from torchrl_vllm_ext.engine.torchrl_engine import (
     register_engine_if_loaded,
     request_outputs,
 )
-from torchrl_vllm_ext.engine.torchrl_engine import lora_name as _lora_name
+from torchrl_vllm_ext.engine.driver.torchrl_engine import lora_name as _lora_name
+from torchrl_vllm_ext.engine.fleet import WeightsProvider
+from torchrl_vllm_ext.engine.handles import links
+from torchrl_vllm_ext.engine.handles.owner import (
+    add_deprecated_aliases,
+    close_at_exit,
+    delegate,
+    owner_only,
+    twins,
+)
+from torchrl_vllm_ext.engine.handles.pool import HandlePool
 from torchrl_vllm_ext.errors import ConfigurationError, ServiceClosedError
 from torchrl_vllm_ext.hf import load_tokenizer
 from torchrl_vllm_ext.messages import RequestData
@@ -98,7 +100,7 @@ class VLLMService:
         self._generation = Generation(self.pool, self._adapters, self.name)
         self._lora = LoraServing(self.pool, self._adapters) if self.is_owner else None
         # The owner's OwnerLink (directory, mailbox, port) or a handle's HandleLink.
-        self._link: handles.OwnerLink | handles.HandleLink | None = None
+        self._link: links.OwnerLink | links.HandleLink | None = None
         self._owns_ray = False
         self._closed = False
         self._tokenizer = None
@@ -157,7 +159,7 @@ class VLLMService:
             svc._owns_ray = cluster.ensure_ray(
                 config.ray_address, log_to_driver=config.log_file is None
             )
-            svc._link = handles.OwnerLink(svc.name, functools.partial(handles.serve, svc))
+            svc._link = links.OwnerLink(svc.name, functools.partial(links.serve, svc))
             svc.pool.on_publish(svc._publish)
             svc._loop.run(svc._launch())
         except BaseException:
@@ -442,7 +444,7 @@ register_engine_if_loaded(VLLMService)
 
 def _attach(config: ServiceConfig, directory_actor, table, owner: str) -> VLLMService:
     register_engine_if_loaded(VLLMService)
-    return handles.attach(VLLMService, config, directory_actor, table, owner)
+    return links.attach(VLLMService, config, directory_actor, table, owner)
 
 
 def _driver_imports() -> None:

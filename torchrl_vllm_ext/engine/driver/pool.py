@@ -22,25 +22,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import itertools
 import logging
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 from tqdm.auto import tqdm
 
-from torchrl_vllm_ext.engine import cluster, placement
-from torchrl_vllm_ext.engine.calls import Outcomes, ReplicaCalls
-from torchrl_vllm_ext.engine.cluster import DEATH_ERRORS, actor_cause
+from torchrl_vllm_ext.engine import placement
+from torchrl_vllm_ext.engine.calls import DEATH_ERRORS, Outcomes, ReplicaCalls, actor_cause
 from torchrl_vllm_ext.engine.config import ServiceConfig
-from torchrl_vllm_ext.engine.replica import ReplicaSpec, VLLMReplica
+from torchrl_vllm_ext.engine.driver import cluster
+from torchrl_vllm_ext.engine.fleet import ReplicaFleet, ReplicaState, ReplicaView, WeightsProvider
+from torchrl_vllm_ext.engine.replica.actor import ReplicaSpec, VLLMReplica
 from torchrl_vllm_ext.engine.serving import ServingState, restart_steps
 from torchrl_vllm_ext.errors import (
     NoHealthyReplicaError,
@@ -50,75 +50,6 @@ from torchrl_vllm_ext.errors import (
 from torchrl_vllm_ext.messages import ReplicaDeath, ReplicaInfo
 
 logger = logging.getLogger(__name__)
-
-
-class ReplicaState(enum.Enum):
-    """Where a replica is in its life: ``STARTING -> READY -> (DRAINING | DEAD -> STARTING)
-    -> STOPPED``."""
-
-    STARTING = "starting"
-    """Placed, engine starting, or being brought to the live weights and adapters."""
-    READY = "ready"
-    """Takes traffic."""
-    DRAINING = "draining"
-    """Takes no new work; stops once idle (``remove_replicas``)."""
-    DEAD = "dead"
-    """Noticed dead; a restart is under way."""
-    STOPPED = "stopped"
-    """Released."""
-
-
-@dataclass(frozen=True)
-class ReplicaView:
-    """A started replica as the pool's clients see it (immutable: safe on any thread)."""
-
-    replica_id: int
-    """Stable id within the service (a restart keeps it)."""
-    handle: Any
-    """The Ray actor handle (:class:`~torchrl_vllm_ext.engine.replica.VLLMReplica`)."""
-    info: ReplicaInfo
-    """What the replica reported once its engine was up (pid, node, limits)."""
-
-    @property
-    def node(self) -> str:
-        """The Ray node IP the replica runs on."""
-        return self.info.node_ip
-
-
-class WeightsProvider(Protocol):
-    """What brings a (re)started replica to the live weights (a weight-sync scheme).
-
-    The pool holds at most one and awaits :meth:`bring_up` on its event loop before a
-    started replica takes traffic.
-    """
-
-    version: str | None
-    """The version the provider last pushed (None: nothing pushed yet)."""
-
-    async def bring_up(self, replica: ReplicaView) -> None:
-        """Load ``version`` into ``replica`` and label it."""
-
-
-class ReplicaFleet(Protocol):
-    """What a weight-sync transport sees of the service: the ready replicas and one way to
-    call them (with the pool's death policy)."""
-
-    @property
-    def uses_gpu(self) -> bool: ...
-
-    @property
-    def workers_per_replica(self) -> int: ...
-
-    def ready(self) -> tuple[ReplicaView, ...]: ...
-
-    async def call_all(
-        self,
-        method: str,
-        *args: Any,
-        replicas: Iterable[ReplicaView] | None = None,
-        timeout: float | None = None,
-        deadline: float | None = None,
-    ) -> Outcomes: ...
 
 
 BringUpStep = Callable[[ReplicaView], Awaitable[Any]]
@@ -370,7 +301,7 @@ class ReplicaPool(ReplicaCalls):
     @contextlib.asynccontextmanager
     async def _start_lock(self, actor, name: str) -> AsyncIterator[None]:
         """Held while a replica's engine starts: the lock of its GPU(s) when replicas share
-        GPUs (:func:`~torchrl_vllm_ext.engine.cluster.start_lock_key`), else none."""
+        GPUs (:func:`~torchrl_vllm_ext.engine.driver.cluster.start_lock_key`), else none."""
         if not cluster.shares_gpus(self._res):
             yield
             return

@@ -20,11 +20,11 @@ from typing import Any
 
 import ray
 
-from torchrl_vllm_ext.engine import directory
-from torchrl_vllm_ext.engine.cluster import actor_cause
-from torchrl_vllm_ext.engine.handle_pool import HandlePool
-from torchrl_vllm_ext.engine.owner import FORWARDED
-from torchrl_vllm_ext.engine.ports import PortReservation
+from torchrl_vllm_ext.engine.calls import actor_cause
+from torchrl_vllm_ext.engine.handles import directory
+from torchrl_vllm_ext.engine.handles.owner import FORWARDED
+from torchrl_vllm_ext.engine.handles.pool import HandlePool
+from torchrl_vllm_ext.engine.handles.ports import PortReservation
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError, ServiceClosedError
 
 

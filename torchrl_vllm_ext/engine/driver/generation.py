@@ -1,7 +1,7 @@
 """The service's generation path: validate a batch, route it, send one call per replica,
 retry a dead replica's share on the others, merge the results in input order.
 
-A client of the :class:`~torchrl_vllm_ext.engine.pool.ReplicaPool`: it reads the ready
+A client of the :class:`~torchrl_vllm_ext.engine.driver.pool.ReplicaPool`: it reads the ready
 snapshot, counts requests in flight with the pool's leases, and calls replicas through
 the pool, whose death policy records and restarts a replica that dies; this module only
 re-sends the dead replica's share.
@@ -19,7 +19,8 @@ import numpy as np
 
 from torchrl_vllm_ext.batches import PromptBatch, RequestBatch
 from torchrl_vllm_ext.engine.adapters import AdapterRegistry
-from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView
+from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
+from torchrl_vllm_ext.engine.fleet import ReplicaView
 from torchrl_vllm_ext.engine.routing import (
     ReplicaLoad,
     RouterState,

@@ -1,7 +1,7 @@
 """The LoRA adapters a :class:`~torchrl_vllm_ext.VLLMService` serves on every replica.
 
-A client of the :class:`~torchrl_vllm_ext.engine.pool.ReplicaPool`: ``add`` / ``remove``
-over an :class:`~.adapters.AdapterRegistry`. A replica on the driver's node loads an
+A client of the :class:`~torchrl_vllm_ext.engine.driver.pool.ReplicaPool`: ``add`` / ``remove``
+over an :class:`~torchrl_vllm_ext.engine.adapters.AdapterRegistry`. A replica on the driver's node loads an
 adapter from its directory; a replica on another node gets the directory's files through
 Ray's object store (one copy per adapter version), unless the adapter's directory is
 shared by every node. A replica started later gets the live adapters before it takes
@@ -19,7 +19,8 @@ import ray
 
 from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.engine.adapters import Adapter, AdapterRegistry, read_files
-from torchrl_vllm_ext.engine.pool import ReplicaPool, ReplicaView
+from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
+from torchrl_vllm_ext.engine.fleet import ReplicaView
 
 
 class LoraServing:

@@ -39,7 +39,7 @@ class ReplicaTable:
     seq: int
     """Increases with every publication (a handle keeps the newest it saw)."""
     ready: tuple = ()
-    """The ready replicas (:class:`~.pool.ReplicaView`: id, Ray actor handle, info)."""
+    """The ready replicas (:class:`~torchrl_vllm_ext.engine.fleet.ReplicaView`: id, Ray actor handle, info)."""
     states: dict[int, str] = field(default_factory=dict)
     """Every replica the owner holds and its state (``ready``, ``dead``, ...)."""
     weight_version: str = "0"

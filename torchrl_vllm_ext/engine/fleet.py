@@ -1,0 +1,87 @@
+"""What the clients of a service's replicas share, in every process: the states of a
+replica, the immutable view of a ready one, and the two narrow protocols through which
+weight sync meets the pool (:class:`ReplicaFleet`: what a transport sees;
+:class:`WeightsProvider`: what brings a restarted replica to the live weights).
+
+The owner's :class:`~torchrl_vllm_ext.engine.driver.pool.ReplicaPool` and a handle's
+:class:`~torchrl_vllm_ext.engine.handles.pool.HandlePool` both hand out these views.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torchrl_vllm_ext.engine.calls import Outcomes
+from torchrl_vllm_ext.messages import ReplicaInfo
+
+
+class ReplicaState(enum.Enum):
+    """Where a replica is in its life: ``STARTING -> READY -> (DRAINING | DEAD -> STARTING)
+    -> STOPPED``."""
+
+    STARTING = "starting"
+    """Placed, engine starting, or being brought to the live weights and adapters."""
+    READY = "ready"
+    """Takes traffic."""
+    DRAINING = "draining"
+    """Takes no new work; stops once idle (``remove_replicas``)."""
+    DEAD = "dead"
+    """Noticed dead; a restart is under way."""
+    STOPPED = "stopped"
+    """Released."""
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    """A started replica as the pool's clients see it (immutable: safe on any thread)."""
+
+    replica_id: int
+    """Stable id within the service (a restart keeps it)."""
+    handle: Any
+    """The Ray actor handle (:class:`~torchrl_vllm_ext.engine.replica.actor.VLLMReplica`)."""
+    info: ReplicaInfo
+    """What the replica reported once its engine was up (pid, node, limits)."""
+
+    @property
+    def node(self) -> str:
+        """The Ray node IP the replica runs on."""
+        return self.info.node_ip
+
+
+class WeightsProvider(Protocol):
+    """What brings a (re)started replica to the live weights (a weight-sync scheme).
+
+    The pool holds at most one and awaits :meth:`bring_up` on its event loop before a
+    started replica takes traffic.
+    """
+
+    version: str | None
+    """The version the provider last pushed (None: nothing pushed yet)."""
+
+    async def bring_up(self, replica: ReplicaView) -> None:
+        """Load ``version`` into ``replica`` and label it."""
+
+
+class ReplicaFleet(Protocol):
+    """What a weight-sync transport sees of the service: the ready replicas and one way to
+    call them (with the pool's death policy)."""
+
+    @property
+    def uses_gpu(self) -> bool: ...
+
+    @property
+    def workers_per_replica(self) -> int: ...
+
+    def ready(self) -> tuple[ReplicaView, ...]: ...
+
+    async def call_all(
+        self,
+        method: str,
+        *args: Any,
+        replicas: Iterable[ReplicaView] | None = None,
+        timeout: float | None = None,
+        deadline: float | None = None,
+    ) -> Outcomes: ...
