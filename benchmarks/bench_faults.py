@@ -229,7 +229,7 @@ def writer_kills(rounds: int) -> dict:
         weights,
         write_and_die,
     )
-    from torchrl_vllm_ext.weight_sync.slots import SlotReader, SlotWriter
+    from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotReader, SlotWriter
 
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "tensordict", "torchrl_vllm_ext.weight_sync.storage"])

@@ -84,6 +84,7 @@ def main(args) -> dict:
     from torchrl_vllm_ext import VLLMService, WeightSyncScheme
     from torchrl_vllm_ext.testing import make_tiny_model
     from torchrl_vllm_ext.testing.loopback_cluster import LoopbackCluster, NodeSpec
+    from torchrl_vllm_ext.weight_sync.transports import registry
 
     model_dir = make_tiny_model(hidden_size=args.hidden, num_layers=args.layers, seed=0)
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
@@ -106,9 +107,9 @@ def main(args) -> dict:
             ) as svc,
             tempfile.TemporaryDirectory() as shared,
         ):
-            schemes = {
-                "storage": WeightSyncScheme(svc, storage_dir=shared),
-                "broadcast": WeightSyncScheme(svc),  # auto: replicas on other nodes
+            schemes = {  # storage over the shared directory; broadcast (gloo) to the nodes
+                t: WeightSyncScheme(svc, t, storage_dir=shared if t == "storage" else None)
+                for t in registry.names(cpu=True, composite=False)
             }
             reasons = {name: s.reason for name, s in schemes.items()}
             for name, scheme in schemes.items():

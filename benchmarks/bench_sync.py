@@ -49,6 +49,11 @@ RUNS = (  # (name, transport, rollout)
 )
 
 
+COLOCATED = "auto"
+"""The GPU figures' colocated system: ``auto`` routes a replica on the trainer's GPU by CUDA IPC."""
+STORAGE = "storage"
+
+
 def median_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -63,8 +68,8 @@ def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
     import ray
 
     from torchrl_vllm_ext.protocol import WorkerMethods
-    from torchrl_vllm_ext.weight_sync.packing import pack
     from torchrl_vllm_ext.weight_sync.specs import to_json
+    from torchrl_vllm_ext.weight_sync.transports.packing import pack
 
     transport = scheme.transport_impl
     replicas = list(scheme.service.replicas())
@@ -151,7 +156,7 @@ def gpu_main(args) -> dict:
     h2d_s = cuda_copy_s(torch.empty_like(flat, device="cpu").pin_memory(), flat, args.repeats)
     del flat
     probe = list(range(5, 69))
-    runs: dict[str, list] = {"auto": [], "storage": []}
+    runs: dict[str, list] = {COLOCATED: [], STORAGE: []}
     logprobs: dict[str, list] = {}
     with VLLMService.launch(
         model_dir,
@@ -166,7 +171,7 @@ def gpu_main(args) -> dict:
             for name, scheme in schemes.items():
                 scheme.push(trainer, version=f"{name}-warm")  # slots, buffers, handles
             for i in range(args.repeats):
-                for name in ("auto", "storage") if i % 2 == 0 else ("storage", "auto"):
+                for name in (COLOCATED, STORAGE) if i % 2 == 0 else (STORAGE, COLOCATED):
                     runs[name].append(schemes[name].push(trainer, version=f"{name}-{i}"))
                     logprobs[name] = served_logprobs(svc, probe)
             reasons = {name: scheme.reason for name, scheme in schemes.items()}
@@ -211,6 +216,7 @@ def main(args) -> dict:
     from torchrl_vllm_ext import VLLMService, WeightSyncScheme
     from torchrl_vllm_ext.testing import make_tiny_model
     from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
+    from torchrl_vllm_ext.weight_sync.transports import registry
 
     model_dir = make_tiny_model(
         hidden_size=args.hidden, num_layers=args.layers, seed=0, dtype=args.dtype
@@ -245,7 +251,7 @@ def main(args) -> dict:
         enforce_eager=True,
         health_check_interval=0,
     ) as svc:
-        for transport in ("storage", "broadcast"):
+        for transport in registry.names(cpu=True, composite=False):
             verify[transport] = verify_cost(svc, trainer, transport, args.repeats)
         if args.verify_only:
             return {

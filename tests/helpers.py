@@ -22,6 +22,7 @@ from torchrl_vllm_ext.batches import RequestBatch
 from torchrl_vllm_ext.errors import TorchRLVLLMError
 from torchrl_vllm_ext.jobs.check_model import perturb  # noqa: F401 (the tests' training step)
 from torchrl_vllm_ext.messages import ReplicaInfo, RequestData, SampleData
+from torchrl_vllm_ext.weight_sync.transports import registry
 
 # Small and exact: fp32 so replica log-probs can be compared with transformers'.
 ENGINE_KWARGS = {
@@ -31,6 +32,10 @@ ENGINE_KWARGS = {
     "kv_cache_memory_bytes": 64 << 20,
 }
 CPUS_PER_REPLICA = 0.5
+CPU_TRANSPORTS = registry.names(cpu=True, composite=False)
+"""The transports CPU replicas push with, from the registry (storage, broadcast over gloo)."""
+ONE_GPU_TRANSPORTS = tuple(n for n in registry.names() if n != "broadcast")
+"""What reaches replicas on the trainer's own GPU (NCCL refuses two ranks on one GPU)."""
 NUM_REPLICAS = 2
 RESTART_TIMEOUT = 300.0  # generous: a restart is ~30 s on 2 shared cores
 WORKERS = ("127.0.0.2", "127.0.0.3")

@@ -6,7 +6,7 @@
 - ``doctor``: the package's leftovers on this machine; ``--clean`` removes the dead
   owners' (``jobs/doctor.py``).
 - ``check-model``: serve a model on one replica, score it against transformers, push
-  round trips on both transports (``jobs/check_model.py``).
+  round trips on every CPU transport of the registry (``jobs/check_model.py``).
 """
 
 from __future__ import annotations

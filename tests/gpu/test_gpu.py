@@ -32,6 +32,7 @@ from torchrl_vllm_ext.testing.criteria import (
 
 from ..helpers import (
     GPU_ENGINE_KWARGS,
+    ONE_GPU_TRANSPORTS,
     cuda_trainer_logprobs,
     served_decode,
     served_prompt_logprobs,
@@ -156,7 +157,7 @@ def test_colocated_push_goes_by_cuda_ipc_and_equals_storage_bitwise(
     assert set(gpu_service.weight_versions().values()) == {"storage-1"}
 
 
-@pytest.mark.parametrize("transport", ["auto", "storage"])
+@pytest.mark.parametrize("transport", ONE_GPU_TRANSPORTS)
 def test_a_round_trip_serves_bitwise_what_the_fresh_replicas_served(
     gpu_service, trainer, w0, fresh, transport
 ):

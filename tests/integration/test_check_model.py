@@ -14,7 +14,7 @@ from torchrl_vllm_ext.jobs import check_model, support_table
 from torchrl_vllm_ext.protocol import TEST_SKIP_LOAD_ENV
 from torchrl_vllm_ext.testing import make_tiny_model
 
-from ..helpers import CPUS_PER_REPLICA
+from ..helpers import CPU_TRANSPORTS, CPUS_PER_REPLICA
 
 
 def run_check(capsys, *argv) -> tuple[int, dict]:
@@ -28,10 +28,10 @@ def test_check_model_passes_a_served_family(tmp_path, capsys, ray_cluster):
     code, result = run_check(capsys, path, "--lora", "--output", tmp_path / "out", "-v")
     assert code == 0, result
     assert result["architecture"] == "Phi3ForCausalLM" and result["ok"]
-    for name in ("serve", "storage", "broadcast", "lora"):
+    for name in ("serve", *CPU_TRANSPORTS, "lora"):
         assert result["checks"][name]["ok"] is True, name
         assert result["checks"][name]["gap"] < check_model.TOLERANCE
-    for name in ("storage", "broadcast"):  # the scheme's own value check ran too
+    for name in CPU_TRANSPORTS:  # the scheme's own value check ran too
         assert result["checks"][name]["probe_gap"] < check_model.TOLERANCE
     assert json.loads((tmp_path / "out" / "phi3.json").read_text()) == result
     table = support_table.render_table([result]).splitlines()

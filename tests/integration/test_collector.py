@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchrl_vllm_ext import TokenCopyEnv, VLLMPolicy, WeightSyncScheme, WeightSyncUpdater
 
-from ..helpers import grpo_backward
+from ..helpers import CPU_TRANSPORTS, grpo_backward
 
 ROUNDS = 3
 ENV_BATCH = 4
@@ -52,7 +52,7 @@ def sample_versions(batch) -> tuple[set[int], set[str]]:
     return torchrl, engine
 
 
-@pytest.mark.parametrize("scheme", ["storage", "broadcast"], indirect=True)
+@pytest.mark.parametrize("scheme", CPU_TRANSPORTS, indirect=True)
 def test_collect_update_rounds_then_grpo(service, tiny_model, trainer, scheme):
     from torchrl.collectors.llm import LLMCollector
 

@@ -27,7 +27,7 @@ from vllm import LLM, SamplingParams
 from torchrl_vllm_ext.protocol import WORKER_EXTENSION
 from torchrl_vllm_ext.weight_sync.cpu_layout import loads_in_place
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
-from torchrl_vllm_ext.weight_sync.slots import SlotWriter
+from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotWriter
 
 model_dir, slots = sys.argv[1], sys.argv[2]
 llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=128,

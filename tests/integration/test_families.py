@@ -39,6 +39,7 @@ from torchrl_vllm_ext.testing import make_tiny_model
 from torchrl_vllm_ext.weight_sync.verify import reference
 
 from ..helpers import (
+    CPU_TRANSPORTS,
     FAMILY_MATRIX,
     LORA_KWARGS,
     SEQUENCE,
@@ -190,7 +191,7 @@ def test_family_served_like_transformers(family):
         out["gap"] = max(gap, gen_gap)
 
 
-@pytest.mark.parametrize("transport", ["storage", "broadcast"])
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 def test_family_push_is_exact(family, transport):
     """Storage pushes the module; broadcast a state dict of copies (a gathered FSDP state
     dict: a tied head is its own tensor there)."""

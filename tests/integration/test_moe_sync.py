@@ -19,7 +19,7 @@ from torchrl_vllm_ext import WeightSyncError, WeightSyncScheme
 from torchrl_vllm_ext.protocol import TEST_FAIL_HALF_WAY, TEST_SKIP_LOAD_ENV
 from torchrl_vllm_ext.testing import make_tiny_model
 
-from ..helpers import assert_replicas_match, launch, perturb, wait_ready
+from ..helpers import CPU_TRANSPORTS, assert_replicas_match, launch, perturb, wait_ready
 
 BROKEN = "broken"  # the version whose load the test hook breaks
 SKIPPED = "model.layers.1.self_attn.o_proj.weight"
@@ -38,8 +38,7 @@ def moe(request, tmp_path_factory, ray_cluster):
         service = launch(path, num_replicas=1)
         trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         schemes = {
-            t: WeightSyncScheme(service, transport=t, verify="always")
-            for t in ("storage", "broadcast")
+            t: WeightSyncScheme(service, transport=t, verify="always") for t in CPU_TRANSPORTS
         }
         yield arch, path, service, trainer, schemes
         for scheme in schemes.values():
@@ -62,7 +61,7 @@ def test_moe_model_is_served_like_transformers(moe):
     print(f"{arch} served checkpoint: max |replica - transformers| log-prob {gap:.2e}")
 
 
-@pytest.mark.parametrize("transport", ["storage", "broadcast"])
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 @pytest.mark.parametrize("names", ["checkpoint", "transformers"])
 def test_moe_push_is_exact(moe, transport, names, tmp_path):
     arch, _, service, trainer, schemes = moe

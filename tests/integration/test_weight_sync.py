@@ -11,6 +11,7 @@ import torch
 from torchrl_vllm_ext import ConfigurationError, VLLMService, WeightSyncError, WeightSyncScheme
 
 from ..helpers import (
+    CPU_TRANSPORTS,
     CPUS_PER_REPLICA,
     ENGINE_KWARGS,
     assert_replicas_match,
@@ -28,15 +29,14 @@ def original(trainer):
 
 @pytest.fixture(scope="module")
 def schemes(service, original):
-    storage = WeightSyncScheme(service, transport="storage")
-    broadcast = WeightSyncScheme(service, transport="broadcast")
-    yield {"storage": storage, "broadcast": broadcast}
-    broadcast.close()
-    storage.push(original, version="0")  # later tests expect the checkpoint's weights
-    storage.close()
+    schemes = {t: WeightSyncScheme(service, transport=t) for t in CPU_TRANSPORTS}
+    yield schemes
+    schemes["storage"].push(original, version="0")  # later tests expect the checkpoint's weights
+    for scheme in schemes.values():
+        scheme.close()
 
 
-@pytest.mark.parametrize("transport", ["storage", "broadcast"])
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 def test_ten_pushes_in_a_row_stay_exact(service, trainer, schemes, transport):
     scheme = schemes[transport]
     for i in range(10):
@@ -49,7 +49,7 @@ def test_ten_pushes_in_a_row_stay_exact(service, trainer, schemes, transport):
     assert scheme.version == service.weight_version == version
 
 
-@pytest.mark.parametrize("transport", ["storage", "broadcast"])
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 @pytest.mark.parametrize(
     ("bad", "match"),
     [
@@ -113,7 +113,7 @@ def test_prefix_cache_never_serves_entries_from_old_weights(service, trainer, sc
         assert (torch.tensor(s.logprobs) - ref).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("transport", ["storage", "broadcast"])
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 def test_restarted_replica_is_brought_to_current_weights(service, trainer, schemes, transport):
     perturb(trainer, seed=77 + len(transport))
     version = f"before-crash-{transport}"
@@ -143,7 +143,7 @@ def test_tensor_parallel_replica_receives_full_tensors(tiny_model, ray_cluster, 
         health_check_interval=0,
         **ENGINE_KWARGS,
     ) as tp2:
-        for transport in ("broadcast", "storage"):
+        for transport in reversed(CPU_TRANSPORTS):
             with WeightSyncScheme(tp2, transport=transport) as scheme:
                 perturb(trainer, seed=len(transport))
                 scheme.push(trainer, version=f"tp2-{transport}")
@@ -175,12 +175,13 @@ def test_a_push_while_paused_leaves_the_replicas_paused_and_checks_them_at_resum
 def test_a_planned_push_mixes_routes_commits_one_version_and_brings_up_restarts(
     service, trainer, original
 ):
-    """``auto`` on GPUs plans a route per replica (weight_sync/plan.py: IPC, NCCL layers,
+    """``auto`` on GPUs plans a route per replica (weight_sync/transports/auto/plan.py: IPC, NCCL layers,
     storage, gloo). The mechanics on CPU: one push whose replicas take two routes
     (storage and a gloo broadcast) commits one version; a replica restarted afterwards is
     brought up through its route from the committed buckets."""
-    from torchrl_vllm_ext.weight_sync.plan import ReplicaPlan, TransportPlan
-    from torchrl_vllm_ext.weight_sync.transports.planned import PlannedTransport
+    from torchrl_vllm_ext.weight_sync.transports.auto.plan import ReplicaPlan, TransportPlan
+    from torchrl_vllm_ext.weight_sync.transports.auto.sender import PlannedTransport
+    from torchrl_vllm_ext.weight_sync.transports.protocol import TransportOptions
 
     first = service.replica_ids[0]
 
@@ -191,9 +192,8 @@ def test_a_planned_push_mixes_routes_commits_one_version_and_brings_up_restarts(
 
     scheme = WeightSyncScheme(service, transport="storage")
     scheme.transport_impl.close()
-    scheme.transport_impl = PlannedTransport(
-        service.pool, bucket_bytes=1 << 20, deadline=scheme.deadline, planner=by_id
-    )
+    options = TransportOptions(bucket_bytes=1 << 20, deadline=scheme.deadline)
+    scheme.transport_impl = PlannedTransport(service.pool, options, planner=by_id)
     with scheme:
         perturb(trainer, seed=11)
         report = scheme.push(trainer, version="planned-1")

@@ -28,7 +28,7 @@ from torchrl_vllm_ext import (
     WeightSyncError,
     WeightSyncScheme,
 )
-from torchrl_vllm_ext.weight_sync.slots import CURRENT, SlotWriter
+from torchrl_vllm_ext.weight_sync.transports.storage.slots import CURRENT, SlotWriter
 
 from ..helpers import wait_ready
 

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from torchrl_vllm_ext import Deadline, WeightSyncError, WeightSyncScheme
-from torchrl_vllm_ext.weight_sync.collective import BroadcastGroup
+from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup
 
 from ..helpers import assert_replicas_match, perturb, wait_ready, wait_restarted, wait_until
 

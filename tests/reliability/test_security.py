@@ -23,7 +23,7 @@ import ray
 import torch
 
 from torchrl_vllm_ext import WeightSyncError, WeightSyncScheme
-from torchrl_vllm_ext.weight_sync.slots import CURRENT, SlotReader, SlotWriter
+from torchrl_vllm_ext.weight_sync.transports.storage.slots import CURRENT, SlotReader, SlotWriter
 
 from ..helpers import assert_replicas_match, perturb, wait_ready
 

@@ -21,7 +21,11 @@ import pytest
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.slots import SlotReader, SlotWriter, read_published
+from torchrl_vllm_ext.weight_sync.transports.storage.slots import (
+    SlotReader,
+    SlotWriter,
+    read_published,
+)
 
 NUM_TENSORS = 6
 SHAPE = (256, 256)

@@ -18,10 +18,10 @@ import pytest
 import ray
 
 from torchrl_vllm_ext import WeightSyncError, WeightSyncScheme
-from torchrl_vllm_ext.weight_sync.collective import free_port
-from torchrl_vllm_ext.weight_sync.packing import pack
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
 from torchrl_vllm_ext.weight_sync.specs import to_json
+from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import free_port
+from torchrl_vllm_ext.weight_sync.transports.packing import pack
 
 from ..helpers import assert_replicas_match, perturb, replica_logprobs, wait_ready, wait_until
 
@@ -32,8 +32,8 @@ STALL_TIMEOUT_S = 10.0  # the group's timeout when the trainer hangs (SIGSTOP) i
 TRAINER = """
 import os, signal, sys
 from safetensors.torch import load_file
-from torchrl_vllm_ext.weight_sync.collective import BroadcastGroup
-from torchrl_vllm_ext.weight_sync.packing import pack
+from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup
+from torchrl_vllm_ext.weight_sync.transports.packing import pack
 
 host, port, world, timeout, sent, path, bucket_bytes, mode = sys.argv[1:]
 tensors = load_file(path)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.ipc import handle_from_args, rebuild_args
-from torchrl_vllm_ext.weight_sync.packing import pack
 from torchrl_vllm_ext.weight_sync.specs import CudaIpcHandle, IpcUpdate, from_json, to_json
+from torchrl_vllm_ext.weight_sync.transports.ipc.handles import handle_from_args, rebuild_args
+from torchrl_vllm_ext.weight_sync.transports.packing import pack
 
 GPU = "8f6c1a2e-0000-1111-2222-333344445555"
 

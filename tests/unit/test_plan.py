@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 
 from torchrl_vllm_ext.errors import ConfigurationError
-from torchrl_vllm_ext.weight_sync.plan import (
+from torchrl_vllm_ext.weight_sync.transports.auto.plan import (
     Place,
     TransportPlan,
-    is_mig,
     nccl_layers_hold_one_rank_per_gpu,
-    normalise_uuid,
     plan_routes,
 )
+from torchrl_vllm_ext.weight_sync.transports.devices import is_mig, normalise_uuid
 
 A = "8f6c1a2e-0000-1111-2222-333344445555"
 B = "9a0b1c2d-0000-1111-2222-333344445555"
@@ -120,7 +119,7 @@ def test_an_unreachable_mig_replica_is_refused_before_anything_moves_naming_it()
 
 
 def test_the_invariant_check_catches_a_layer_with_two_ranks_on_one_gpu():
-    from torchrl_vllm_ext.weight_sync.plan import ReplicaPlan
+    from torchrl_vllm_ext.weight_sync.transports.auto.plan import ReplicaPlan
 
     workers = {0: [Place("n1", B)], 1: [Place("n1", B)]}
     bad = TransportPlan((ReplicaPlan(0, "nccl"), ReplicaPlan(1, "nccl")))

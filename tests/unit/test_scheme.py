@@ -16,7 +16,12 @@ from torchrl_vllm_ext.engine.fleet import ReplicaView
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.messages import ReplicaInfo
 from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme
-from torchrl_vllm_ext.weight_sync.transports.base import Transport, WorkerCall
+from torchrl_vllm_ext.weight_sync.transports.protocol import (
+    Transport,
+    TransportOptions,
+    WorkerCall,
+    calls_for,
+)
 from torchrl_vllm_ext.weight_sync.verify import model_logprobs
 
 WEIGHTS = {"model.w": torch.ones(2, 2)}
@@ -104,12 +109,12 @@ class FakeTransport(Transport):
     name = "fake"
 
     def __init__(self, service):
-        super().__init__(service)
+        super().__init__(service, TransportOptions())
         self.events = []
 
-    async def prepare(self, tensors, version, replicas, phases):
+    async def prepare(self, tensors, version, replicas, phases, packed=None):
         self.events.append(("prepare", version, [r.replica_id for r in replicas]))
-        return WorkerCall("load_it", (version,))
+        return calls_for(replicas, WorkerCall("load_it", (version,)))
 
     async def commit(self, version):
         self.events.append(("commit", version))
@@ -117,7 +122,7 @@ class FakeTransport(Transport):
     async def rollback(self, version):
         self.events.append(("rollback", version))
 
-    async def bring_up(self, replica, version):
+    async def bring_up(self, replica, version, packed=None):
         self.events.append(("bring_up", replica.replica_id, version))
 
 

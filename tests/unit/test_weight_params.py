@@ -8,9 +8,9 @@ from transformers import AutoModelForCausalLM
 
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.testing import make_tiny_model
-from torchrl_vllm_ext.weight_sync.packing import pack, unpack
 from torchrl_vllm_ext.weight_sync.params import checksum, expected_specs, named_tensors, validate
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json, to_json
+from torchrl_vllm_ext.weight_sync.transports.packing import pack, unpack
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.slots import CURRENT, SlotReader, SlotWriter, read_published
+from torchrl_vllm_ext.weight_sync.transports.storage.slots import (
+    CURRENT,
+    SlotReader,
+    SlotWriter,
+    read_published,
+)
 
 
 def weights(value: float, n: int = 4) -> dict[str, torch.Tensor]:
@@ -68,7 +73,7 @@ def test_layout_change_is_rejected(tmp_path):
 
 WRITER = """
 import sys, torch
-from torchrl_vllm_ext.weight_sync.slots import SlotWriter, read_published
+from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotWriter, read_published
 w = SlotWriter(sys.argv[1])
 v = int(read_published(sys.argv[1])[0].version)  # go on from the last published version
 while True:

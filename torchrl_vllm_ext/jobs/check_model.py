@@ -51,10 +51,12 @@ from torchrl_vllm_ext.jobs.support_table import (
     render_table,
     replace_table,
 )
+from torchrl_vllm_ext.weight_sync.transports import registry
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("storage", "broadcast")
+TRANSPORTS = registry.names(cpu=True, composite=False)
+"""The transports a check pushes with: those CPU replicas can use (GPU-only ones: tests/gpu)."""
 TOLERANCE = 1e-4
 """Max |replica - transformers| log-prob in float32 (the tests' bound)."""
 DTYPES = {"float32": "", "bfloat16": "bf16_", "float16": "fp16_"}

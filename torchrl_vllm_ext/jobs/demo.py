@@ -12,6 +12,7 @@ import argparse
 import logging
 
 from torchrl_vllm_ext.engine.placement import PLACEMENTS
+from torchrl_vllm_ext.weight_sync.transports import registry
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ FLAGS = {
     "placement": "--placement",
 }
 CHOICES = {
-    "transport": ("auto", "storage", "broadcast"),
+    "transport": registry.names(cpu=True),
     "dtype": ("float32", "bfloat16", "float16"),
     "placement": PLACEMENTS,
 }

@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+from torchrl_vllm_ext.weight_sync.transports import registry
+
 _STARTUP = re.compile(
     r"could not start vLLM on .*?: (?P<reason>.*?)(?: \(engine arguments: .*)?$", re.S
 )
@@ -30,16 +32,17 @@ def engine_reason(error) -> str:
     return match.group("reason") if match else text
 
 
+CHECKED = registry.names(cpu=True, composite=False)
+"""The transports a row checks (check-model and the family matrix push with each)."""
+
 COLUMNS = {  # header -> the checks of a row it sums up (all must pass)
     "serve": ("serve",),
-    "storage": ("storage",),
-    "broadcast": ("broadcast",),
+    **{t: (t,) for t in CHECKED},
     "lora": ("lora",),
     "bad push refused": ("refuse_missing", "refuse_shape"),
     "bf16 trainer": ("cast",),
     "bf16 serve": ("bf16_serve",),
-    "bf16 storage": ("bf16_storage",),
-    "bf16 broadcast": ("bf16_broadcast",),
+    **{f"bf16 {t}": (f"bf16_{t}",) for t in CHECKED},
     "bf16 lora": ("bf16_lora",),
     "bf16 trainer on bf16": ("bf16_cast",),
 }

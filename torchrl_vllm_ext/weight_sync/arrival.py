@@ -17,7 +17,7 @@ import time
 
 from torchrl_vllm_ext.engine.driver.pool import Outcomes
 from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, WeightSyncError
-from torchrl_vllm_ext.weight_sync.transports.base import Replicas
+from torchrl_vllm_ext.weight_sync.transports.protocol import Replicas
 from torchrl_vllm_ext.weight_sync.verify import (
     ProbeResult,
     Reference,

@@ -43,17 +43,16 @@ from torchrl_vllm_ext.engine.serving import check_pause_mode
 from torchrl_vllm_ext.errors import ConfigurationError, PartialLoadError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.arrival import ArrivalCheck
 from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames
-from torchrl_vllm_ext.weight_sync.packing import DEFAULT_BUCKET_BYTES
 from torchrl_vllm_ext.weight_sync.params import expected_specs, torch_dtype, validate
 from torchrl_vllm_ext.weight_sync.sources import PushSource, full_push_source
-from torchrl_vllm_ext.weight_sync.transports import make_transport
-from torchrl_vllm_ext.weight_sync.transports.base import Replicas
+from torchrl_vllm_ext.weight_sync.transports import registry
+from torchrl_vllm_ext.weight_sync.transports.packing import DEFAULT_BUCKET_BYTES
+from torchrl_vllm_ext.weight_sync.transports.protocol import Replicas, TransportOptions
 from torchrl_vllm_ext.weight_sync.verify import Reference
 from torchrl_vllm_ext.weight_sync.versions import collector_next_version
 
 logger = logging.getLogger(__name__)
 
-TRANSPORTS = ("auto", "broadcast", "storage", "ipc")
 ROLLOUTS = ("parallel", "rolling")
 
 
@@ -102,8 +101,8 @@ class SyncReport:
 
 def choose_transport(service, requested: str, shared_dir) -> tuple[str, str]:
     """Pick the transport for ``auto``; returns (transport, reason)."""
-    if requested not in TRANSPORTS:
-        raise ConfigurationError(f"transport={requested!r} is not one of {TRANSPORTS}.")
+    if requested not in registry.names():
+        raise ConfigurationError(f"transport={requested!r} is not one of {registry.names()}.")
     if requested != "auto":
         return requested, "requested explicitly"
     if service.uses_gpu:
@@ -126,8 +125,11 @@ class WeightSyncScheme:
 
     Args:
         service: the running service.
-        transport: ``"auto"``, ``"broadcast"`` (packed buckets over NCCL or gloo) or
-            ``"storage"`` (memory-mapped A/B slots read by ``load_weights_from_storage``).
+        transport: a name of :mod:`~torchrl_vllm_ext.weight_sync.transports.registry`:
+            ``"auto"`` (the default: storage or gloo on CPU replicas, a route per replica on
+            GPUs), ``"storage"`` (memory-mapped A/B slots read by
+            ``load_weights_from_storage``), ``"broadcast"`` (packed buckets over NCCL or
+            gloo) or ``"ipc"`` (CUDA IPC, replicas on the trainer's GPU).
         storage_dir: root of the storage slots (default: a private tmpfs directory);
             on a multi-host cluster, a directory every host shares.
         bucket_bytes: broadcast bucket size.
@@ -197,12 +199,10 @@ class WeightSyncScheme:
         self.deadline = deadline
         self.service = service
         name, self._reason = choose_transport(service, transport, storage_dir)
-        self.transport_impl = make_transport(
+        self.transport_impl = registry.make_transport(
             name,
             service.pool,
-            storage_dir=storage_dir,
-            bucket_bytes=bucket_bytes,
-            deadline=deadline,
+            TransportOptions(bucket_bytes=bucket_bytes, deadline=deadline, storage_dir=storage_dir),
         )
         if rollout == "rolling" and not self.transport_impl.loads_one_at_a_time:
             self.transport_impl.close()  # nothing of a refused scheme stays
@@ -230,17 +230,17 @@ class WeightSyncScheme:
     def transport(self) -> str:
         """The transport's name: ``storage``, ``broadcast``, ``ipc`` or, planned on GPUs,
         the last push's routes (``ipc+nccl``; ``auto`` before the first push)."""
-        return self.transport_impl.name
+        return self.transport_impl.label
 
     @property
     def reason(self) -> str:
         """Why this transport: for a planned one, the last push's route of every replica."""
-        return getattr(self.transport_impl, "reason", None) or self._reason
+        return self.transport_impl.reason or self._reason
 
     @property
     def storage_dir(self) -> Path | None:
-        writer = getattr(self.transport_impl, "writer", None)
-        return writer.root if writer is not None else None
+        """The storage slots' root (storage transport), else None."""
+        return self.transport_impl.storage_dir
 
     # ------------------------------------------------------------------ push
     def push(self, weights, version: str | int) -> SyncReport:
@@ -296,7 +296,7 @@ class WeightSyncScheme:
         replicas = list(self.service.pool.ready())
         reference = arrival.start_reference(source.scorer, tensors, phases, replicas)
         try:
-            call = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
+            calls = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
         except BaseException:
             if reference is not None:
                 await asyncio.gather(reference, return_exceptions=True)
@@ -311,7 +311,7 @@ class WeightSyncScheme:
             )
         expected = await self._reference_or_rollback(reference, version)
         t_apply = time.perf_counter()
-        loads = await self._apply(replicas, call, version, nbytes, expected, phases)  # 3) + 4)
+        loads = await self._apply(replicas, calls, version, nbytes, expected, phases)  # 3) + 4)
         phases["apply"] = time.perf_counter() - t_apply
         phases["load"] = max((t["load_s"] for t in loads.results.values()), default=0.0)
         if not loads.results:  # 5) commit or roll back
@@ -329,7 +329,7 @@ class WeightSyncScheme:
         deferred = sorted(arrival.deferred[2]) if arrival.deferred else []
         return SyncReport(
             version,
-            transport.name,
+            transport.label,
             nbytes,
             time.perf_counter() - start,
             pauses,
@@ -387,7 +387,7 @@ class WeightSyncScheme:
     async def _apply(
         self,
         replicas: Replicas,
-        call,
+        calls: dict,
         version: str,
         nbytes: int,
         expected=None,
@@ -395,9 +395,6 @@ class WeightSyncScheme:
     ) -> Outcomes:
         # "wait" drains running requests first: no bound on that part of the pause.
         deadline = None if self.pause_mode == "wait" else self.deadline.for_bytes(nbytes)
-
-        # One call for every replica, or (a planned push) one per replica.
-        calls = call if isinstance(call, dict) else {r.replica_id: call for r in replicas}
 
         def update(view: ReplicaView):
             mine = calls[view.replica_id]

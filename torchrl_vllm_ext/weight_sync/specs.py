@@ -1,9 +1,10 @@
 """The weight-sync wire specs (plain data) and their JSON form.
 
-A broadcast update sends one :class:`UpdateHeader` (buckets of :class:`TensorSpec`s) to
-every worker; a storage slot is published with a :class:`SlotManifest`. Both cross
-processes as JSON, encoded and decoded (with type checks) by :func:`to_json` and
-:func:`from_json`.
+The one module of wire formats every transport shares: a packed update is one
+:class:`UpdateHeader` (buckets of :class:`TensorSpec`s; broadcast sends it to every worker,
+CUDA IPC wraps it with a handle per bucket in an :class:`IpcUpdate`); a storage slot is
+published with a :class:`SlotManifest`. All cross processes as JSON, encoded and decoded
+(with type checks) by :func:`to_json` and :func:`from_json`.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class CudaIpcHandle:
     GPU by UUID (each process numbers its devices its own way)."""
 
     gpu: str
-    """Normalised UUID of the GPU holding the bytes (:func:`..plan.normalise_uuid`)."""
+    """Normalised UUID of the GPU holding the bytes (:func:`~torchrl_vllm_ext.weight_sync.transports.devices.normalise_uuid`)."""
     numel: int
     """Bytes of the shared tensor."""
     offset: int

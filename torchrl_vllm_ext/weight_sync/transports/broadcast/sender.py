@@ -1,5 +1,6 @@
 """The broadcast transport: packed buckets over a process group of the trainer and every
-replica worker (NCCL on GPU, gloo on CPU; see :mod:`..collective`).
+replica worker (NCCL on GPU, gloo on CPU; see :mod:`.collective`). Its receiver:
+:mod:`.receiver`.
 
 ``prepare``: 1) pack same-dtype tensors into buckets; 2) form the group if its members
 changed; 3) one header per replica (``stage_weight_broadcast``): its workers receive and
@@ -22,18 +23,19 @@ import time
 import ray
 import torch
 
-from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import WorkerMethods
-from torchrl_vllm_ext.weight_sync.collective import BroadcastGroup, listen
-from torchrl_vllm_ext.weight_sync.packing import pack
 from torchrl_vllm_ext.weight_sync.specs import to_json
-from torchrl_vllm_ext.weight_sync.transports.base import (
+from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup, listen
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed, pack
+from torchrl_vllm_ext.weight_sync.transports.protocol import (
     STAGED_POLL_S,
     Outcomes,
     Replicas,
     Transport,
+    TransportOptions,
     WorkerCall,
+    calls_for,
     raise_errors,
     settle,
 )
@@ -48,8 +50,8 @@ class BroadcastTransport(Transport):
 
     Args:
         fleet: the replicas pushed to (a service's ``pool``).
-        bucket_bytes: bucket size.
-        deadline: how long each step may wait (see the module docstring).
+        options: ``bucket_bytes``, ``deadline`` (see the module docstring) and ``backend``
+            (``nccl`` / ``gloo``; default: NCCL when the replicas and this process have GPUs).
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="broadcast")  # doctest: +SKIP
@@ -60,36 +62,31 @@ class BroadcastTransport(Transport):
     name = "broadcast"
     loads_one_at_a_time = False
 
-    def __init__(
-        self,
-        fleet,
-        bucket_bytes: int,
-        deadline: Deadline | None = None,
-        backend: str | None = None,
-    ):
-        super().__init__(fleet)
+    def __init__(self, fleet, options: TransportOptions):
+        super().__init__(fleet, options)
+        backend = options.backend
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() and fleet.uses_gpu else "gloo"
         self.backend = backend
-        self.bucket_bytes = bucket_bytes
-        self.deadline = deadline or Deadline()
         self.group: BroadcastGroup | None = None
         self._members: tuple = ()
-        self._staged: tuple[str, list[torch.Tensor]] | None = None
-        self._committed: tuple[str, list[torch.Tensor]] | None = None  # for restarts
+        self._staged: Packed | None = None
+        self._committed: Packed | None = None  # for restarts
 
     async def prepare(
-        self, tensors: dict[str, torch.Tensor], version: str, replicas: Replicas, phases: dict
-    ) -> WorkerCall:
-        t0 = time.perf_counter()
-        header, buffers = await asyncio.to_thread(pack, tensors, version, self.bucket_bytes)  # 1)
-        phases["pack"] = time.perf_counter() - t0
-        return await self.prepare_packed(header, buffers, replicas, phases)
-
-    async def prepare_packed(self, header, buffers, replicas: Replicas, phases: dict) -> WorkerCall:
-        """:meth:`prepare` from buckets packed already (2 to 5)."""
-        version = header.version
-        header_json = to_json(header)
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: str,
+        replicas: Replicas,
+        phases: dict,
+        packed: Packed | None = None,
+    ) -> dict[int, WorkerCall]:
+        if packed is None:  # 1)
+            t0 = time.perf_counter()
+            packed = await asyncio.to_thread(pack, tensors, version, self.options.bucket_bytes)
+            phases["pack"] = time.perf_counter() - t0
+        buffers = packed.buffers
+        header_json = to_json(packed.header)
         limit = self.deadline.for_bytes(sum(b.numel() * b.element_size() for b in buffers))
         t1 = time.perf_counter()
         await self._ensure_group(replicas, limit)  # 2)
@@ -106,9 +103,9 @@ class BroadcastTransport(Transport):
         except BaseException:
             self._drop_group()
             raise
-        self._staged = (header_json, buffers)
+        self._staged = packed
         phases["send"] = phases.get("send", 0.0) + time.perf_counter() - t1
-        return WorkerCall(WorkerMethods.LOAD_STAGED, (version,))
+        return calls_for(replicas, WorkerCall(WorkerMethods.LOAD_STAGED, (version,)))
 
     async def _send(self, buffers, replicas: Replicas, version: str, limit: float) -> None:
         """4) Broadcast the buckets (in a thread) while 5) polling every replica until
@@ -179,10 +176,19 @@ class BroadcastTransport(Transport):
         await self._ensure_group(replicas, self.deadline.for_bytes(nbytes))
 
     async def commit(self, version: str) -> None:
-        self._committed = self._staged
+        self._committed, self._staged = self._staged, None
 
-    async def bring_up(self, replica, version: str) -> None:
-        header_json, buffers = self._committed
+    async def rollback(self, version: str) -> None:
+        self._staged = None
+
+    async def bring_up(self, replica, version: str, packed: Packed | None = None) -> None:
+        packed = packed or self._committed
+        if packed is None or packed.version != version:
+            raise WeightSyncError(
+                f"no committed broadcast of version {version} to bring replica "
+                f"{replica.replica_id} up; push again."
+            )
+        header_json, buffers = to_json(packed.header), packed.buffers
         handle = replica.handle
         limit = self.deadline.for_bytes(sum(b.numel() * b.element_size() for b in buffers))
         group = await self._form_group([replica], limit)

@@ -12,59 +12,21 @@ two ranks on one GPU):
   **storage** slots on the trainer's host, a **gloo** broadcast elsewhere;
 - a replica split across the trainer's GPU and others (a TP replica) gets **storage**.
 
-Devices compare by UUID only: Ray renumbers the GPUs each actor sees. Plain functions,
-unit-tested on CPU; the transport (:mod:`.transports.planned`) follows the plan.
+Devices compare by UUID only (:mod:`..devices`). Plain functions, unit-tested on CPU; the
+transport (:mod:`.sender`) follows the plan, each route through the transport the registry
+names for it (:data:`~..registry.ROUTES`).
 """
 
 from __future__ import annotations
 
-import re
-import uuid
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Literal
 
 from torchrl_vllm_ext.errors import ConfigurationError
+from torchrl_vllm_ext.weight_sync.transports.devices import is_mig
 
-Route = Literal["ipc", "nccl", "storage", "gloo"]
-
-_HEX32 = re.compile(r"[0-9a-f]{32}")
-
-
-def normalise_uuid(raw) -> str | None:
-    """A GPU's UUID as one canonical string; None when unknown.
-
-    nvidia-smi and NVML write ``GPU-8f6c1a2e-...``, torch's device properties give a
-    bare UUID (or its object), CUDA_VISIBLE_DEVICES may hold either; MIG slices stay
-    ``mig-...`` (they are not whole GPUs: see :func:`is_mig`).
-
-    Examples:
-        >>> normalise_uuid("GPU-8F6C1A2E-0000-1111-2222-333344445555")
-        '8f6c1a2e-0000-1111-2222-333344445555'
-        >>> normalise_uuid("8f6c1a2e000011112222333344445555")
-        '8f6c1a2e-0000-1111-2222-333344445555'
-        >>> normalise_uuid("MIG-4b2d1c3a-aaaa-bbbb-cccc-ddddeeeeffff")
-        'mig-4b2d1c3a-aaaa-bbbb-cccc-ddddeeeeffff'
-        >>> normalise_uuid(None), normalise_uuid("")
-        (None, None)
-    """
-    if raw is None:
-        return None
-    text = str(raw).strip().lower()
-    if not text:
-        return None
-    if text.startswith("mig-"):
-        return text
-    text = text.removeprefix("gpu-")
-    hexed = text.replace("-", "")
-    if not _HEX32.fullmatch(hexed):
-        return None
-    return str(uuid.UUID(hexed))
-
-
-def is_mig(device: str | None) -> bool:
-    """Whether a normalised device is a MIG slice (no CUDA IPC or NCCL across slices)."""
-    return device is not None and device.startswith("mig-")
+Route = str
+"""A route name: a key of :data:`~..registry.ROUTES` (which transport carries it, and how)."""
 
 
 @dataclass(frozen=True)

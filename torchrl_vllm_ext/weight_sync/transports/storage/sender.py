@@ -4,12 +4,13 @@
 checksums in one pass) and publishes its manifest atomically; 2) each replica actor
 checksums the published slot while its engine keeps generating; 3) on GPUs, each worker
 copies the slot to its staging buffers (on the device, or pinned host memory when the
-GPU lacks room: :mod:`..staging`) in a background thread. In the pause the workers only
+GPU lacks room: :mod:`...staging`) in a background thread. In the pause the workers only
 copy in: from the slot on CPUs (``load_weights_from_storage(root, version,
 verified=True)``), from the staging buffers on GPUs (``load_staged_weights``).
 A restarted replica loads the published slot, so a push that no replica loaded
 publishes the previous version again. ``close`` has the replicas drop their mappings
-and removes the slots (see :class:`~..slots.SlotWriter`).
+and removes the slots (see :class:`~.slots.SlotWriter`). Its receiver: :mod:`.receiver`;
+its part in the replica actor (the checksum pass): :mod:`.actor`.
 """
 
 from __future__ import annotations
@@ -17,36 +18,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 import torch
 
 from torchrl_vllm_ext import leftovers
-from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import ActorMethods, WorkerMethods
 from torchrl_vllm_ext.weight_sync.params import require_finite
-from torchrl_vllm_ext.weight_sync.slots import SlotWriter
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest
-from torchrl_vllm_ext.weight_sync.transports.base import (
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed
+from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Replicas,
     Transport,
+    TransportOptions,
     WorkerCall,
+    calls_for,
     raise_errors,
     settle,
     wait_staged,
 )
+from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotWriter
 
 logger = logging.getLogger(__name__)
 
 
 class StorageTransport(Transport):
-    """Weights through two memory-mapped TensorDict slots (see :mod:`..slots`).
+    """Weights through two memory-mapped TensorDict slots (see :mod:`.slots`).
 
     Args:
         fleet: the replicas pushed to (a service's ``pool``).
-        storage_dir: root of the slots (default: a private tmpfs directory); on a
-            multi-host cluster, a directory every host shares.
-        deadline: how long a replica may take to checksum the slot (a replica that
+        options: ``storage_dir``, the root of the slots (default: a private tmpfs
+            directory; on a multi-host cluster, a directory every host shares), and
+            ``deadline``, how long a replica may take to checksum the slot (a replica that
             takes longer is handled as dead and the push goes on without it).
 
     Examples:
@@ -58,20 +62,28 @@ class StorageTransport(Transport):
     name = "storage"
     checks_finite = True
 
-    def __init__(self, fleet, storage_dir=None, deadline: Deadline | None = None):
-        super().__init__(fleet)
-        self.deadline = deadline or Deadline()
+    def __init__(self, fleet, options: TransportOptions):
+        super().__init__(fleet, options)
         leftovers.reap()  # slots of writers that were killed
-        self.writer = SlotWriter(storage_dir)
+        self.writer = SlotWriter(options.storage_dir)
         self._previous: SlotManifest | None = None
 
     @property
     def root(self) -> str:
         return str(self.writer.root)
 
+    @property
+    def storage_dir(self) -> Path:
+        return self.writer.root
+
     async def prepare(
-        self, tensors: dict[str, torch.Tensor], version: str, replicas: Replicas, phases: dict
-    ) -> WorkerCall:
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: str,
+        replicas: Replicas,
+        phases: dict,
+        packed: Packed | None = None,  # the slot is written from the tensors either way
+    ) -> dict[int, WorkerCall]:
         t0 = time.perf_counter()
         self._previous = self.writer.published()
         await asyncio.to_thread(self.writer.write, tensors, version, require_finite)  # 1)
@@ -92,7 +104,8 @@ class StorageTransport(Transport):
         replicas[:] = [r for r in replicas if r.replica_id in staged.results]
         phases.update(write=t1 - t0, stage=time.perf_counter() - t1)
         if not self.fleet.uses_gpu:
-            return WorkerCall(WorkerMethods.LOAD_FROM_STORAGE, (self.root, version, True))
+            call = WorkerCall(WorkerMethods.LOAD_FROM_STORAGE, (self.root, version, True))
+            return calls_for(replicas, call)
         t2 = time.perf_counter()  # 3)
         try:
             await self._stage_on_gpus(replicas, version, nbytes)
@@ -100,7 +113,7 @@ class StorageTransport(Transport):
             await self.rollback(version)
             raise
         phases["gpu_stage"] = time.perf_counter() - t2
-        return WorkerCall(WorkerMethods.LOAD_STAGED, (version,))
+        return calls_for(replicas, WorkerCall(WorkerMethods.LOAD_STAGED, (version,)))
 
     async def _stage_on_gpus(self, replicas: Replicas, version: str, nbytes: int) -> None:
         """3) Every GPU worker copies the slot to its staging buffers before the pause."""
@@ -128,7 +141,16 @@ class StorageTransport(Transport):
             # the replicas still serve (a write only ever fills the other slot).
             await asyncio.to_thread(self.writer.publish, self._previous)
 
-    async def bring_up(self, replica, version: str) -> None:
+    async def bring_up(self, replica, version: str, packed: Packed | None = None) -> None:
+        published = self.writer.published()
+        if published is None or published.version != version:
+            if packed is None or packed.version != version:
+                raise WeightSyncError(
+                    f"replica {replica.replica_id}: no storage slot holds version {version}; "
+                    "push again to bring it up."
+                )
+            # auto sent this version by other routes: write a slot of it from the buckets.
+            await asyncio.to_thread(self.writer.write, packed.tensors(), version, require_finite)
         await replica.handle.collective_rpc.remote(
             WorkerMethods.LOAD_FROM_STORAGE, (self.root, version)
         )

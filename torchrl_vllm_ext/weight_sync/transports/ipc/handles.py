@@ -1,12 +1,12 @@
 """CUDA IPC handles of the trainer's packed buckets, as plain data (the colocated route).
 
-The trainer packs its tensors into buckets on its own GPU (:mod:`.packing`), shares
+The trainer packs its tensors into buckets on its own GPU (:mod:`..packing`), shares
 each with :func:`share` (torch's ``reduce_tensor``: a cudaIpcMemHandle, a ref counter that
 keeps the allocation alive while anyone maps it, and an event to wait on), and sends the
-handles as JSON (:class:`~.specs.IpcUpdate`): no pickle crosses (DESIGN.md). A worker on
+handles as JSON (:class:`~torchrl_vllm_ext.weight_sync.specs.IpcUpdate`): no pickle crosses (DESIGN.md). A worker on
 the same GPU opens them with :func:`open_bucket`, mapping the GPU's UUID to its own device
 number, checksums them on the GPU, and in its pause copies them into the parameters.
-Only :func:`share`, :func:`open_bucket` and :func:`local_device_index` need CUDA; the
+Only :func:`share` and :func:`open_bucket` need CUDA; the
 encoding is unit-tested on CPU.
 """
 
@@ -17,8 +17,8 @@ import base64
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.plan import normalise_uuid
 from torchrl_vllm_ext.weight_sync.specs import CudaIpcHandle
+from torchrl_vllm_ext.weight_sync.transports.devices import device_uuid, local_device_index
 
 _STORAGE_CLASSES = {
     f"{cls.__module__}.{cls.__qualname__}": cls
@@ -96,23 +96,6 @@ def rebuild_args(handle: CudaIpcHandle, device_index: int) -> tuple:
         handle.ref_counter_offset,
         base64.b64decode(handle.event_handle) or None,
         handle.event_sync_required,
-    )
-
-
-def device_uuid(index: int) -> str | None:
-    """The normalised UUID of this process's CUDA device ``index``."""
-    return normalise_uuid(torch.cuda.get_device_properties(index).uuid)
-
-
-def local_device_index(gpu: str) -> int:
-    """This process's number for the GPU ``gpu`` (normalised UUID); raises if it sees none."""
-    for index in range(torch.cuda.device_count()):
-        if device_uuid(index) == gpu:
-            return index
-    raise WeightSyncError(
-        f"this worker sees no GPU {gpu} (its devices: "
-        f"{[device_uuid(i) for i in range(torch.cuda.device_count())]}); CUDA IPC needs the "
-        "trainer and the worker on one GPU. Use transport='auto', which plans by device."
     )
 
 

@@ -1,11 +1,14 @@
-"""Packed buckets of the broadcast transport: same-dtype tensors laid end to end.
+"""Packed buckets: same-dtype tensors laid end to end, shared by the packed transports.
 
-One update = one header (names, dtypes, shapes, bucket layout, checksums, version)
-sent to each replica, then one collective per bucket (:mod:`.collective`); never one
-RPC per tensor. The receiving end is the worker extension (:mod:`.worker`).
+One update = one header (names, dtypes, shapes, bucket layout, checksums, version) and a
+few large buffers: broadcast sends one collective per bucket (:mod:`.broadcast`), CUDA IPC
+shares each bucket's memory (:mod:`.ipc`); never one call per tensor. The workers read
+the tensors back as views (:func:`unpack`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,13 +18,38 @@ from torchrl_vllm_ext.weight_sync.specs import BucketSpec, TensorSpec, UpdateHea
 DEFAULT_BUCKET_BYTES = 256 << 20
 
 
+@dataclass(frozen=True)
+class Packed:
+    """One version packed: its header and the uint8 buffers, in header order."""
+
+    header: UpdateHeader
+    buffers: list[torch.Tensor]
+
+    @property
+    def version(self) -> str:
+        return self.header.version
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers)
+
+    def __iter__(self):  # header, buffers = pack(...)
+        return iter((self.header, self.buffers))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor, as a view into its bucket."""
+        return {
+            name: t
+            for bucket, buf in zip(self.header.buckets, self.buffers, strict=True)
+            for name, t in unpack(bucket, buf)
+        }
+
+
 def pack(
     tensors: dict[str, torch.Tensor], version: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> tuple[UpdateHeader, list[torch.Tensor]]:
-    """Pack same-dtype tensors end to end into buckets of about ``bucket_bytes``.
-
-    Returns the header and the uint8 buffers, in broadcast order. A tensor larger
-    than ``bucket_bytes`` gets a bucket of its own.
+) -> Packed:
+    """Pack same-dtype tensors end to end into buckets of about ``bucket_bytes``, on the
+    tensors' device. A tensor larger than ``bucket_bytes`` gets a bucket of its own.
     """
     by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for name, t in tensors.items():
@@ -50,7 +78,7 @@ def pack(
             )
         )
         buffers.append(buf)
-    return UpdateHeader(version=str(version), buckets=tuple(specs)), buffers
+    return Packed(UpdateHeader(version=str(version), buckets=tuple(specs)), buffers)
 
 
 def unpack(bucket: BucketSpec, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

@@ -1,0 +1,199 @@
+"""``transport="auto"``: on CPU replicas the scheme picks storage or gloo once; on GPU
+replicas each push is planned per replica by where its bytes live.
+
+``prepare``: 1) ask every new replica's workers for their GPU's UUID (once per process:
+:mod:`.receiver`); 2) the trainer's device is the one CUDA device of the pushed tensors;
+3) plan the routes (:func:`.plan.plan_routes`: CUDA IPC on the trainer's GPU, NCCL layers on
+other GPUs, storage or gloo where neither works; an impossible plan is refused before
+anything moves); 4) pack once on the trainer's GPU and hand each route's replicas to the
+transport the registry names for the route (:data:`~..registry.ROUTES`; the packed buckets
+are shared by IPC and every NCCL layer). Each replica gets its own pause call; the push
+commits or rolls back as one version across routes. The plan is
+:attr:`PlannedTransport.reason` and the report's transport name (``ipc+nccl``, ...).
+
+It composes the other transports only through the protocol (:mod:`..protocol`): a restarted
+replica is planned alone and its route's transport brings it up from the committed buckets
+(by CUDA IPC, a one-member NCCL/gloo group, or a storage slot written from them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+import torch
+
+from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.protocol import WorkerMethods
+from torchrl_vllm_ext.weight_sync.transports import registry
+from torchrl_vllm_ext.weight_sync.transports.auto.plan import (
+    Place,
+    Route,
+    TransportPlan,
+    plan_routes,
+)
+from torchrl_vllm_ext.weight_sync.transports.devices import device_uuid, normalise_uuid
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed, pack
+from torchrl_vllm_ext.weight_sync.transports.protocol import (
+    Replicas,
+    Transport,
+    TransportOptions,
+    WorkerCall,
+    raise_errors,
+    trainer_device,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class PlannedTransport(Transport):
+    """Routes each replica by device (see the module docstring).
+
+    Args:
+        fleet: the replicas pushed to (a service's ``pool``).
+        options: what every route's transport is made with (``bucket_bytes`` of the
+            packed routes, ``deadline``, ``storage_dir``: the storage route's root, a
+            directory other hosts share makes them storage routes too).
+        planner: ``(trainer, workers, shared_dir) -> TransportPlan``;
+            :func:`~.plan.plan_routes` unless given (tests route CPU replicas through
+            mixed plans with it).
+
+    Examples:
+        >>> scheme = WeightSyncScheme(gpu_service)  # doctest: +SKIP
+        >>> scheme.push(model.cuda(), version=1).transport, scheme.reason  # doctest: +SKIP
+        ('ipc+nccl', 'ipc: replicas [0]; nccl layer 0: replicas [1]')
+    """
+
+    name = "auto"
+    loads_one_at_a_time = False  # an NCCL layer reaches its replicas in one collective
+
+    def __init__(self, fleet, options: TransportOptions, planner=plan_routes):
+        super().__init__(fleet, options)
+        self.planner = planner
+        self.plan: TransportPlan | None = None
+        self._subs: dict[tuple[Route, int], Transport] = {}
+        self._places: dict[tuple[int, int], list[Place]] = {}  # (replica, pid) -> workers
+        self._trainer: Place | None = None
+        self._used: list[Transport] = []
+        self._packed: Packed | None = None  # the push in flight
+        self._committed: Packed | None = None  # the live version, for restarted replicas
+
+    @property
+    def label(self) -> str:
+        """The routes of the last plan, joined: ``ipc``, ``ipc+nccl``, ... (``auto`` before
+        the first push)."""
+        if self.plan is None:
+            return "auto"
+        return "+".join(sorted({route for route, _ in self.plan.routes()}))
+
+    @property
+    def reason(self) -> str:
+        return self.plan.reason if self.plan else "planned per replica at each push, by GPU UUID"
+
+    @property
+    def _shared_dir(self) -> bool:
+        return self.options.storage_dir is not None
+
+    # ------------------------------------------------------------------ push
+    async def prepare(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: str,
+        replicas: Replicas,
+        phases: dict,
+        packed: Packed | None = None,
+    ) -> dict[int, WorkerCall]:
+        t0 = time.perf_counter()
+        device = trainer_device(tensors)  # 2)
+        self._trainer = Place(
+            ray.util.get_node_ip_address(),
+            device_uuid(device.index) if device.type == "cuda" else None,
+        )
+        places = await self._places_of(replicas)  # 1)
+        replicas[:] = [r for r in replicas if r.replica_id in places]
+        self.plan = self.planner(self._trainer, places, self._shared_dir)  # 3)
+        phases["plan"] = time.perf_counter() - t0
+        logger.info("version %s: %s", version, self.plan.reason)
+        self._used, self._packed, self.staged_in = [], packed, {}
+        calls: dict[int, WorkerCall] = {}
+        try:
+            for (route, layer), ids in self.plan.routes().items():  # 4)
+                group = [r for r in replicas if r.replica_id in ids]
+                sub = self._sub(route, layer)
+                self._used.append(sub)
+                buckets = None
+                if registry.ROUTES[route].packed:
+                    buckets = await self._pack(tensors, version, phases)
+                calls.update(await sub.prepare(tensors, version, group, phases, buckets))
+                self.staged_in.update(sub.staged_in)
+        except BaseException:
+            await self.rollback(version)
+            raise
+        replicas[:] = [r for r in replicas if r.replica_id in calls]
+        return calls
+
+    async def _pack(self, tensors, version: str, phases: dict) -> Packed:
+        if self._packed is None:
+            t0 = time.perf_counter()
+            bucket_bytes = self.options.bucket_bytes
+            self._packed = await asyncio.to_thread(pack, tensors, version, bucket_bytes)
+            phases["pack"] = time.perf_counter() - t0
+        return self._packed
+
+    async def commit(self, version: str) -> None:
+        for sub in self._used:
+            await sub.commit(version)
+        if self._packed is not None:
+            self._committed = self._packed
+        self._packed = None
+
+    async def rollback(self, version: str) -> None:
+        for sub in self._used:
+            await sub.rollback(version)
+        self._packed = None
+
+    # ------------------------------------------------------------------ restarts
+    async def bring_up(self, replica, version: str, packed: Packed | None = None) -> None:
+        places = await self._places_of([replica])
+        if self._trainer is None or replica.replica_id not in places:
+            raise WeightSyncError(f"replica {replica.replica_id} cannot be planned for {version}.")
+        route = self.planner(self._trainer, places, self._shared_dir).replicas[0].route
+        await self._sub(route, 0).bring_up(replica, version, packed or self._committed)
+
+    # ------------------------------------------------------------------ parts
+    async def _places_of(self, replicas: Replicas) -> dict[int, list[Place]]:
+        """Each replica's workers' places (asked once per replica process)."""
+        missing = [r for r in replicas if (r.replica_id, r.info.pid) not in self._places]
+        if missing:
+            asked = await self.fleet.call_all(
+                "collective_rpc",
+                WorkerMethods.DEVICE,
+                replicas=missing,
+                deadline=self.deadline.answer_s,
+            )
+            raise_errors(asked, "device query", "(plan)")
+            for r in missing:
+                if r.replica_id in asked.results:
+                    self._places[(r.replica_id, r.info.pid)] = [
+                        Place(r.node, normalise_uuid(gpu)) for gpu in asked.results[r.replica_id]
+                    ]
+        return {
+            r.replica_id: self._places[(r.replica_id, r.info.pid)]
+            for r in replicas
+            if (r.replica_id, r.info.pid) in self._places
+        }
+
+    def _sub(self, route: Route, layer: int) -> Transport:
+        """The transport of ``route`` (NCCL: one per layer), made once."""
+        key = (route, layer)
+        if key not in self._subs:
+            self._subs[key] = registry.make_route(route, self.fleet, self.options)
+        return self._subs[key]
+
+    def close(self) -> None:
+        for sub in self._subs.values():
+            sub.close()
+        self._subs.clear()
+        self._committed = self._packed = None

@@ -1,0 +1,92 @@
+"""The broadcast transport's receiver (vLLM worker side): join the trainer's process group,
+receive and verify the buckets (in a background thread before the pause, or at once for a
+restarted replica). Its sender: :mod:`.sender`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.weight_sync.params import device_checksum
+from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json
+from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import make_process_group
+from torchrl_vllm_ext.weight_sync.transports.packing import unpack
+
+logger = logging.getLogger(__name__)
+
+
+class BroadcastReceiver:
+    """Worker methods of the broadcast transport (``self``: vLLM's Worker, with
+    :class:`~..receiving.Receiving`)."""
+
+    def init_weight_broadcast(
+        self,
+        host: str,
+        port: int,
+        world_size: int,
+        rank_offset: int,
+        backend: str,
+        timeout_s: float,
+    ) -> int:
+        """Join the trainer's broadcast group; returns this worker's rank in it."""
+        self.close_weight_broadcast()
+        rank = rank_offset + self.rank
+        self._tvllm_group = make_process_group(backend, host, port, world_size, rank, timeout_s)
+        self._tvllm_device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        return rank
+
+    def receive_weight_broadcast(self, header_json: str) -> str:
+        """Receive every bucket of one update, verify all, then load; returns the version."""
+        header = from_json(header_json, UpdateHeader)
+        self._tvllm_load(self._tvllm_receive(header), header.version)
+        return header.version
+
+    def stage_weight_broadcast(self, header_json: str) -> bool:
+        """Receive and verify one update in a background thread (before the pause)."""
+        header = from_json(header_json, UpdateHeader)
+        return self._tvllm_stage(header.version, lambda: self._tvllm_receive(header))
+
+    def _tvllm_receive(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:
+        group = getattr(self, "_tvllm_group", None)
+        if group is None:
+            raise WeightSyncError(
+                "this worker is not in a broadcast group; call init_weight_broadcast first."
+            )
+        received = []
+        for bucket in header.buckets:
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._tvllm_device)
+            try:
+                group[1].broadcast(buf, 0).wait()
+            except Exception as e:  # the trainer died or stalled past the group's timeout
+                # The group is unusable now; the next push forms a new one.
+                if getattr(self, "_tvllm_group", None) is group:
+                    self._tvllm_group = None
+                error = WeightSyncError(
+                    f"broadcast of weight version {header.version} was cut off after "
+                    f"{len(received)} of {len(header.buckets)} buckets ({type(e).__name__}: "
+                    f"{e}); nothing was loaded, this worker keeps serving its previous weights. "
+                    "Push again: the next push forms a new group."
+                )
+                logger.error("%s", error)
+                raise error from e
+            received.append((bucket, buf))
+        for i, (bucket, buf) in enumerate(received):
+            got = device_checksum(buf)  # on the GPU for NCCL: no copy to the host
+            if got != bucket.checksum:
+                raise WeightSyncError(
+                    f"bucket {i} of version {header.version} arrived corrupted (checksum {got} != "
+                    f"{bucket.checksum}); nothing was loaded."
+                )
+        # Loaded in one reload: vLLM re-processes a layer once all its weights arrived.
+        return [item for bucket, buf in received for item in unpack(bucket, buf)]
+
+    def close_weight_broadcast(self) -> bool:
+        group = getattr(self, "_tvllm_group", None)
+        self._tvllm_group = None
+        return group is not None

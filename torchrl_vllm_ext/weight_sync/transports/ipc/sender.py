@@ -1,0 +1,122 @@
+"""The CUDA IPC transport: replicas on the trainer's own GPU read its packed buckets in place.
+
+``prepare``: 1) pack the tensors into buckets on the trainer's GPU (one device copy);
+2) share each bucket (:func:`.handles.share`) and send every replica one JSON update; its
+workers open the buckets and checksum them on the GPU in a background thread while the
+engine keeps generating; 3) wait until every worker verified. In the pause the workers
+copy from the buckets into their parameters (``load_staged_weights``): a device-to-device
+copy. The committed buckets stay alive for restarted replicas (``receive_weight_ipc``).
+
+NCCL refuses two ranks on one GPU, so this is how a trainer reaches replicas that share
+its GPU; ``auto``'s plan routes them here. Its receiver: :mod:`.receiver`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.protocol import WorkerMethods
+from torchrl_vllm_ext.weight_sync.specs import IpcUpdate, to_json
+from torchrl_vllm_ext.weight_sync.transports.ipc.handles import share
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed, pack
+from torchrl_vllm_ext.weight_sync.transports.protocol import (
+    Replicas,
+    Transport,
+    TransportOptions,
+    WorkerCall,
+    calls_for,
+    raise_errors,
+    trainer_device,
+    wait_staged,
+)
+
+
+class IpcTransport(Transport):
+    """Weights by CUDA IPC from the trainer's GPU to replicas on that GPU.
+
+    Args:
+        fleet: the replicas pushed to (a service's ``pool``).
+        options: ``bucket_bytes`` and ``deadline`` (how long each step may wait).
+
+    Examples:
+        >>> scheme = WeightSyncScheme(service)  # doctest: +SKIP
+        >>> scheme.push(model.cuda(), version=1).transport  # doctest: +SKIP
+        'ipc'
+    """
+
+    name = "ipc"
+
+    def __init__(self, fleet, options: TransportOptions):
+        super().__init__(fleet, options)
+        self._staged: tuple[str, Packed] | None = None  # (update JSON, the buckets it maps)
+        self._committed: tuple[str, Packed] | None = None
+
+    async def prepare(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: str,
+        replicas: Replicas,
+        phases: dict,
+        packed: Packed | None = None,
+    ) -> dict[int, WorkerCall]:
+        if packed is None:
+            if trainer_device(tensors).type != "cuda":
+                raise WeightSyncError(
+                    "CUDA IPC needs the pushed tensors on the trainer's GPU; they are on the "
+                    "CPU. Move the model to its GPU, or use transport='storage'."
+                )
+            t0 = time.perf_counter()
+            packed = await asyncio.to_thread(pack, tensors, version, self.options.bucket_bytes)
+            phases["pack"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        update = self._share(packed)
+        nbytes = packed.nbytes
+        staged = await self.fleet.call_all(
+            "collective_rpc",
+            WorkerMethods.STAGE_IPC,
+            (update,),
+            replicas=replicas,
+            deadline=self.deadline.answer_s,
+        )
+        raise_errors(staged, "stage", version)
+        replicas[:] = [r for r in replicas if r.replica_id in staged.results]
+        await wait_staged(
+            self.fleet, replicas, version, self.deadline.for_bytes(nbytes), self.deadline.answer_s
+        )
+        self._staged = (update, packed)
+        self.staged_in = {r.replica_id: "device" for r in replicas}
+        phases["share"] = phases.get("share", 0.0) + time.perf_counter() - t0
+        return calls_for(replicas, WorkerCall(WorkerMethods.LOAD_STAGED, (version,)))
+
+    @staticmethod
+    def _share(packed: Packed) -> str:
+        """The JSON update of CUDA IPC handles to ``packed``'s buckets."""
+        torch.cuda.synchronize(packed.buffers[0].device)  # the buckets are complete first
+        return to_json(IpcUpdate(packed.header, tuple(share(b) for b in packed.buffers)))
+
+    async def commit(self, version: str) -> None:
+        # The workers copied out of the buckets in their pause: the previous committed
+        # buckets are free once no worker maps them (torch's IPC ref counter).
+        self._committed, self._staged = self._staged, None
+
+    async def rollback(self, version: str) -> None:
+        self._staged = None
+
+    async def bring_up(self, replica, version: str, packed: Packed | None = None) -> None:
+        if packed is not None and packed.version == version:
+            update = self._share(packed)  # the caller keeps the buckets alive
+        elif self._committed is not None and self._committed[1].version == version:
+            update = self._committed[0]
+        else:
+            raise WeightSyncError(
+                f"no committed CUDA IPC update of version {version} to bring replica "
+                f"{replica.replica_id} up; push again."
+            )
+        await replica.handle.collective_rpc.remote(WorkerMethods.RECEIVE_IPC, (update,))
+
+    def close(self) -> None:
+        self._staged = self._committed = None

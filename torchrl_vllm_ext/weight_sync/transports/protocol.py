@@ -1,0 +1,228 @@
+"""The transport protocol: how a push's bytes reach the replicas' workers. Closed: the
+scheme and the composite ``auto`` call transports only through these steps.
+
+A push (``WeightSyncScheme``) is: validate -> :meth:`Transport.prepare` (outside any pause:
+write, send, stage; the replicas keep generating) -> on each replica, in its pause, the
+:class:`WorkerCall` ``prepare`` returned for it -> :meth:`~Transport.commit` (or
+:meth:`~Transport.rollback` when no replica loaded). :meth:`~Transport.connect` sets up
+what every push uses before the first; :meth:`~Transport.bring_up` loads the committed
+version into a restarted replica; :meth:`~Transport.close` releases everything. A push
+that ``auto`` packed once for several routes hands each transport the same
+:class:`~.packing.Packed` buckets. Everything runs on the service's event loop; blocking
+work goes to a thread.
+
+Which transports exist, and their worker and actor parts: :mod:`.registry`.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from torchrl_vllm_ext.deadlines import Deadline
+from torchrl_vllm_ext.engine.calls import Outcomes
+from torchrl_vllm_ext.engine.fleet import ReplicaFleet, ReplicaView
+from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.weight_sync.transports.packing import DEFAULT_BUCKET_BYTES, Packed
+
+logger = logging.getLogger(__name__)
+
+Replicas = list[ReplicaView]
+"""The replicas a push reaches (a transport drops those that died, in place)."""
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """What a scheme gives every transport it makes (each reads what it needs)."""
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    """Bucket size of the packed transports."""
+    deadline: Deadline = field(default_factory=Deadline)
+    """How long each step of a push may wait on a replica."""
+    storage_dir: str | Path | None = None
+    """Root of the storage slots (None: a private tmpfs directory); a directory other hosts
+    share makes ``auto`` route them through storage too."""
+    backend: str | None = None
+    """Broadcast's process group: ``nccl`` or ``gloo`` (None: NCCL on GPU replicas)."""
+
+
+@dataclass(frozen=True)
+class WorkerCall:
+    """The worker-extension call a replica makes inside its pause (plain-data arguments)."""
+
+    method: str
+    """A :class:`~torchrl_vllm_ext.protocol.WorkerMethods` name."""
+    args: tuple = ()
+    """Its positional arguments."""
+
+
+def trainer_device(tensors: dict[str, torch.Tensor]) -> torch.device:
+    """The one device every pushed tensor is on; a typed error naming two that differ."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise WeightSyncError(
+            f"the pushed tensors are on {len(devices)} devices ({sorted(map(str, devices))}); "
+            "push a model (or state dict) that lives on one device."
+        )
+    return devices.pop()
+
+
+def raise_errors(outcomes: Outcomes, what: str, version: str) -> None:
+    """A :class:`WeightSyncError` naming the first failed replica, if any failed."""
+    if outcomes.errors:
+        rid, cause = next(iter(outcomes.errors.items()))
+        raise WeightSyncError(
+            f"{what} of version {version} failed on replica {rid}: {cause}"
+        ) from cause
+
+
+def settle(refs: list, timeout: float, what: str) -> None:
+    """Wait (bounded) for replicas' answers to a release call and read each outcome: a
+    replica that died or shut down meanwhile holds nothing any more, and a ref whose
+    error is never read makes Ray log it as an "unhandled error" at exit (the service is
+    often closed right after the scheme). ``what`` names the call in the debug log."""
+    if not refs:
+        return
+    import ray
+
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as e:
+            logger.debug("a replica could not %s: %s", what, e)
+
+
+STAGED_POLL_S = 0.005
+"""Seconds between checks that every worker finished staging a version."""
+
+
+async def wait_staged(
+    fleet: ReplicaFleet, replicas: Replicas, version: str, limit_s: float, answer_s: float
+) -> None:
+    """Poll the workers of ``replicas`` until each staged ``version`` (their background
+    read); a replica that died or does not answer within ``answer_s`` is dropped from
+    ``replicas`` (the death policy restarts it), one whose staging failed fails the push.
+    Raises :class:`WeightSyncError` after ``limit_s`` seconds."""
+    import asyncio
+
+    from torchrl_vllm_ext.protocol import WorkerMethods
+
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    while replicas:
+        ready = await fleet.call_all(
+            "collective_rpc",
+            WorkerMethods.STAGED_READY,
+            (version,),
+            replicas=replicas,
+            deadline=answer_s,
+        )
+        raise_errors(ready, "stage", version)
+        replicas[:] = [r for r in replicas if r.replica_id in ready.results]
+        if all(all(per_worker) for per_worker in ready.results.values()):
+            return
+        if loop.time() > end:
+            waiting = sorted(rid for rid, w in ready.results.items() if not all(w))
+            raise WeightSyncError(
+                f"replica(s) {waiting} did not stage version {version} within {limit_s:.1f}s; "
+                "no replica loaded it. Push again, or raise the scheme's deadline."
+            )
+        await asyncio.sleep(STAGED_POLL_S)
+
+
+class Transport(abc.ABC):
+    """Moves validated weights to the replicas' workers; one per scheme (or per route of
+    ``auto``). Built as ``cls(fleet, options)`` by :func:`~.registry.make_transport`.
+
+    Examples:
+        >>> class Noop(Transport):  # the smallest transport: the workers reload the checkpoint
+        ...     name = "noop"
+        ...     async def prepare(self, tensors, version, replicas, phases, packed=None):
+        ...         call = WorkerCall("reload_checkpoint", (version,))  # a worker method
+        ...         return {r.replica_id: call for r in replicas}
+        ...     async def bring_up(self, replica, version, packed=None):
+        ...         await replica.handle.collective_rpc.remote("reload_checkpoint", (version,))
+    """
+
+    name: ClassVar[str]
+    """The registry's name (:mod:`.registry`)."""
+    checks_finite: ClassVar[bool] = False
+    """Whether :meth:`prepare` rejects non-finite tensors itself (in its copy pass),
+    so the scheme's validation can skip that pass."""
+    loads_one_at_a_time: ClassVar[bool] = True
+    """Whether replicas can load one after the other (``rollout="rolling"``)."""
+
+    def __init__(self, fleet: ReplicaFleet, options: TransportOptions):
+        self.fleet = fleet
+        self.options = options
+        self.deadline = options.deadline
+        self.staged_in: dict[int, str] = {}
+        """Where each replica staged the last push (``device`` / ``pinned`` on GPUs; empty
+        where the transport stages nothing)."""
+
+    @property
+    def label(self) -> str:
+        """What the last push reports as its transport (``SyncReport.transport``): the name,
+        or for ``auto`` the routes it took (``ipc+nccl``)."""
+        return self.name
+
+    @property
+    def reason(self) -> str | None:
+        """Why each replica went the way it did (``auto``: the plan), or None."""
+        return None
+
+    @property
+    def storage_dir(self) -> Path | None:
+        """The root of the slots a restarted replica can read (storage), or None."""
+        return None
+
+    async def connect(self, replicas: Replicas, nbytes: int) -> None:
+        """Bring up what every push of ``nbytes`` uses (a broadcast's group), before the first."""
+        return None
+
+    @abc.abstractmethod
+    async def prepare(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: str,
+        replicas: Replicas,
+        phases: dict,
+        packed: Packed | None = None,
+    ) -> dict[int, WorkerCall]:
+        """Outside the pause: get ``tensors`` to the replicas; return each one's load call.
+
+        ``packed``: the same tensors packed already (``auto`` packs once for its packed
+        routes); a packed transport sends those buckets instead of packing again. Drops
+        replicas that died from ``replicas`` (in place) where it can go on without them;
+        records its phase timings (seconds) in ``phases``. Raises
+        :class:`WeightSyncError` if no replica can load.
+        """
+
+    async def commit(self, version: str) -> None:
+        """Every replica (or, for a partial failure, some replica) now serves ``version``."""
+        return None
+
+    async def rollback(self, version: str) -> None:
+        """No replica loaded ``version``: restore what restarted replicas will load."""
+        return None
+
+    @abc.abstractmethod
+    async def bring_up(self, replica: ReplicaView, version: str, packed: Packed | None = None):
+        """Load the committed ``version`` into a restarted replica's workers (it takes no
+        traffic yet; call its handle directly). ``packed``: that version's buckets, where
+        the caller (``auto``) holds them and this transport may not have sent it."""
+
+    def close(self) -> None:
+        """Release what the transport holds (groups, mappings, buckets)."""
+        return None
+
+
+def calls_for(replicas: Replicas, call: WorkerCall) -> dict[int, WorkerCall]:
+    """The same load call for every replica of ``replicas``."""
+    return {r.replica_id: call for r in replicas}

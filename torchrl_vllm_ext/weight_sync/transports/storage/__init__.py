@@ -1,0 +1,1 @@
+"""The storage transport: memory-mapped A/B slots (sender, receiver, actor part, slots)."""

@@ -1,0 +1,56 @@
+"""The storage transport's receiver (vLLM worker side): load the published slot, or stage
+it on the GPU before the pause. Its sender: :mod:`.sender`; the replica actor's checksum
+pass: :mod:`.actor`."""
+
+from __future__ import annotations
+
+import torch
+
+from torchrl_vllm_ext.weight_sync.transports.staging import staging_place
+from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotReader
+
+
+class StorageReceiver:
+    """Worker methods of the storage transport (``self``: vLLM's Worker, with
+    :class:`~..receiving.Receiving`)."""
+
+    def load_weights_from_storage(
+        self, path: str, version: str | None = None, verified: bool = False
+    ) -> str:
+        """Read, verify and load the published slot of ``path``; returns the loaded version.
+
+        ``verified=True`` skips the checksums: the replica actor on this host verified
+        ``version`` just before the pause (``WeightSyncActorExtension.stage_storage``).
+        """
+        manifest, tensors = self._tvllm_reader(path).read(version, verify=not verified)
+        self._tvllm_load(tensors.items(), manifest.version)
+        return manifest.version
+
+    def stage_weights_from_storage(self, path: str, version: str) -> str:
+        """GPU workers: copy the published slot of ``path`` (checksummed by the replica
+        actor) to this worker's GPU, or to pinned host memory when the GPU lacks room, in a
+        background thread while the engine keeps generating; ``load_staged_weights``
+        then copies it into the parameters in the pause. Returns where it stages."""
+        manifest, tensors = self._tvllm_reader(path).read(version, verify=False)
+        device = torch.device("cuda", torch.cuda.current_device())
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        held = self.__dict__.get("_tvllm_stage_buffers", {})
+        held_bytes = sum(b.numel() * b.element_size() for b in held.values())
+        free, total = torch.cuda.mem_get_info(device)
+        place = staging_place(nbytes, free, total, held_bytes)
+        self._tvllm_stage(manifest.version, lambda: self._tvllm_copy_in(tensors, device, place))
+        return place
+
+    def release_weight_storage(self, path: str) -> bool:
+        """Drop this worker's mappings of ``path`` (its scheme closed: the memory of the
+        removed slots is freed once nobody maps them). The loaded weights are copies."""
+        reader = self.__dict__.get("_tvllm_readers", {}).pop(path, None)
+        if reader is not None:
+            reader.close()
+        return reader is not None
+
+    def _tvllm_reader(self, path: str) -> SlotReader:
+        readers = self.__dict__.setdefault("_tvllm_readers", {})
+        if path not in readers:
+            readers[path] = SlotReader(path)
+        return readers[path]
