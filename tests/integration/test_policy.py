@@ -333,9 +333,10 @@ def test_vllm_wrapper_kwargs_run_unchanged(service, inproc_llm, tokenizer, kwarg
     ours = VLLMPolicy(service, **kw)(td())
     ours_layout, theirs_layout = layout(ours), layout(theirs)
     if kw["input_mode"] == "text":
-        # Deliberate (README): text mode also writes the prompt's tokens and masks, and
-        # log_probs.full spans prompt + response like tokens.full; TorchRL's text mode
-        # writes the response's tokens only, and the response's log-probs as "full".
+        # Deliberate (docs/guide/torchrl-migration.md): text mode also writes the prompt's
+        # tokens and masks, and log_probs.full spans prompt + response like tokens.full;
+        # TorchRL's text mode writes the response's tokens only, and the response's
+        # log-probs as "full".
         del theirs_layout[("log_probs", "full")]
         ours_layout = {k: v for k, v in ours_layout.items() if k in theirs_layout}
     assert ours_layout == theirs_layout
