@@ -22,7 +22,9 @@ Differences across 0.26-0.33 that the package meets (``AsyncLLM``, the GPU engin
 
 from __future__ import annotations
 
+import copy
 import logging
+import re
 from types import SimpleNamespace
 from typing import Literal, NamedTuple, get_args
 
@@ -194,6 +196,81 @@ def retryable_errors() -> tuple[type[BaseException], ...]:
     except ImportError:  # before 0.32
         return ()
     return (RetryableRequestError,)
+
+
+# ---------------------------------------------------------------------------- start log
+KV_SIZE_LOGGERS = ("vllm.v1.worker.gpu_worker", "vllm.v1.worker.cpu_worker")
+"""vLLM's loggers that name a worker's KV-cache size while its engine starts."""
+
+# What a worker logs (INFO) once it knows its KV-cache size: after the memory profile,
+# before the cache is allocated and CUDA graphs are captured. vLLM prints GiB rounded to
+# 0.01 (``format_gib``); the same words in 0.26 and 0.32.
+_KV_SIZE_LINE = re.compile(
+    r"Available KV cache memory: (?P<profiled>-?\d+(?:\.\d+)?) GiB"  # GPU, profiled
+    r"|reserved (?P<given>\d+(?:\.\d+)?) GiB memory for KV Cache"  # GPU, size given
+    r"|(?:Explicitly|Auto) set \((?P<cpu>\d+(?:\.\d+)?)/[\d.]+\) GiB for KV cache"  # CPU
+)
+
+
+def kv_cache_bytes_logged(text: str) -> int | None:
+    """The KV-cache size (bytes) the last of vLLM's KV-size lines in ``text`` names, rounded
+    down past the 0.01 GiB vLLM prints (never more than the worker has); None when no line
+    names one, or the size is not positive (the start then fails on its own).
+
+    Examples:
+        >>> kv_cache_bytes_logged("(EngineCore_DP0 pid=7) INFO 11-27 [gpu_worker.py:561] "
+        ...                       "Available KV cache memory: 60.12 GiB")
+        64547989749
+        >>> kv_cache_bytes_logged("Available KV cache memory: -1.5 GiB") is None
+        True
+    """
+    found = None
+    for match in _KV_SIZE_LINE.finditer(text):
+        found = next(v for v in match.groupdict().values() if v is not None)
+    if found is None or float(found) <= 0.005:
+        return None
+    return int((float(found) - 0.005) * (1 << 30))
+
+
+def kv_size_log_config(path: str) -> dict | None:
+    """vLLM's logging configuration as this process's environment makes it, plus a file
+    handler writing the :data:`KV_SIZE_LOGGERS`' INFO lines to ``path`` whatever
+    ``VLLM_LOGGING_LEVEL`` says for the rest; None when vLLM's logging is off
+    (``VLLM_CONFIGURE_LOGGING=0``). An engine's processes apply it when
+    ``VLLM_LOGGING_CONFIG_PATH`` names a JSON file of it (0.26 reads the variable in each
+    process, 0.32 in the engine arguments' ``LoggingConfig``).
+
+    NOTE: vLLM builds its configuration in ``_configure_vllm_root_logger`` (a private
+    function of 0.26-0.32) and hands it to ``dictConfig``; capturing that dict instead of
+    copying vLLM's defaults keeps its formatters and levels as the version makes them.
+    """
+    import vllm.logger as vllm_logger
+
+    captured: dict = {}
+    apply = vllm_logger.dictConfig
+    vllm_logger.dictConfig = captured.update
+    try:
+        vllm_logger._configure_vllm_root_logger()
+    finally:
+        vllm_logger.dictConfig = apply
+    if not captured:
+        return None
+    config = copy.deepcopy(captured)
+    handler = "torchrl_vllm_kv_size"
+    config.setdefault("handlers", {})[handler] = {
+        "class": "logging.FileHandler",
+        "filename": str(path),
+        "level": "INFO",
+    }
+    loggers = config.setdefault("loggers", {})
+    for name in KV_SIZE_LOGGERS:
+        own = dict(loggers.get(name, {}))
+        own["handlers"] = [*own.get("handlers", []), handler]
+        if own.get("level") not in ("DEBUG", "NOTSET"):
+            own["level"] = "INFO"  # the other handlers keep their own levels
+        own.setdefault("propagate", True)
+        loggers[name] = own
+    return config
 
 
 # ---------------------------------------------------------------------------- in-process engine

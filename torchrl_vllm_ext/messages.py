@@ -77,6 +77,9 @@ class ReplicaInfo:
     dead)."""
     dtype: str = ""
     """The dtype the engine serves the weights in (``bfloat16``, ...; empty: not reported)."""
+    kv_cache_bytes: int | None = None
+    """The KV-cache size its engine was given (the engine arguments', or the size the first
+    replica on its GPU measured) or logged while it started; None: not known."""
 
 
 @dataclass(frozen=True)

@@ -218,3 +218,96 @@ def test_only_those_layers_lose_the_failed_to_load_warning(caplog):
         "QKVParallelLinear: Failed to load weights",
         "RotaryEmbedding: Delayed processing",
     ]
+
+
+# ---------------------------------------------------------------------- KV size while starting
+# The lines vLLM's workers log once they know their KV-cache size (replicas sharing a GPU
+# start in parallel after it: engine/driver/start_order.py). 0.26 is the GPU machine's
+# build (format_gib: round(bytes / GiB, 2)); 0.32 the CPU build of CI.
+KV_LINES = {
+    "0.26 profiled": (
+        "(EngineCore_DP0 pid=1093) INFO 11-27 14:02:11 [gpu_worker.py:561] "
+        "Available KV cache memory: 57.31 GiB",
+        57.31,
+    ),
+    "0.26 size given": (
+        "(EngineCore_DP0 pid=1201) INFO 11-27 14:03:40 [gpu_worker.py:478] Initial free memory "
+        "72.4 GiB, reserved 57.31 GiB memory for KV Cache as specified by kv_cache_memory_bytes "
+        "config and skipped memory profiling. This does not respect the gpu_memory_utilization "
+        "config.",
+        57.31,
+    ),
+    "0.32 profiled": (
+        "(EngineCore pid=88) INFO 12-01 09:00:00 [gpu_worker.py:757] "
+        "Available KV cache memory: 0.5 GiB",
+        0.5,
+    ),
+    "0.32 cpu": (
+        "(EngineCore pid=91) INFO 12-01 09:00:01 [cpu_worker.py:259] Explicitly set "
+        "(0.06/23.47) GiB for KV cache on node 0.",
+        0.06,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(KV_LINES))
+def test_kv_size_lines_of_vllm_0_26_and_0_32(name):
+    line, gib = KV_LINES[name]
+    size = _compat.kv_cache_bytes_logged("INFO loading weights\n" + line + "\n")
+    # Never above what the worker had: the print rounds to 0.01 GiB.
+    assert (gib - 0.01) * (1 << 30) < size <= (gib - 0.005) * (1 << 30) + 1
+
+
+def test_the_last_kv_size_line_counts_and_none_without_one():
+    first, _ = KV_LINES["0.26 profiled"]
+    second, _ = KV_LINES["0.32 profiled"]
+    assert _compat.kv_cache_bytes_logged(first + "\n" + second) < 1 << 30
+    assert _compat.kv_cache_bytes_logged("INFO Loading weights took 0.1 s") is None
+    assert _compat.kv_cache_bytes_logged("Available KV cache memory: -2.1 GiB") is None
+
+
+def test_the_installed_vllm_logs_those_words():
+    import importlib.util
+    from pathlib import Path
+
+    workers = Path(importlib.util.find_spec("vllm").submodule_search_locations[0]) / "v1/worker"
+    gpu = (workers / "gpu_worker.py").read_text()
+    assert '"Available KV cache memory: %s GiB"' in gpu
+    assert 'GiB memory for "\n' in gpu or "GiB memory for " in gpu
+    assert '"KV Cache as specified by kv_cache_memory_bytes config and "' in gpu
+    assert "GiB for KV cache" in (workers / "cpu_worker.py").read_text()
+    for name in _compat.KV_SIZE_LOGGERS:  # the loggers are the modules' own
+        assert (workers / f"{name.rsplit('.', 1)[1]}.py").exists()
+
+
+def test_the_kv_size_log_config_sends_only_those_lines_to_its_file(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    config = _compat.kv_size_log_config(str(tmp_path / "kv.log"))
+    path = tmp_path / "logging.json"
+    path.write_text(json.dumps(config))
+    # What an engine's process does: 0.26 configures vLLM's logging from the environment
+    # when vllm.logger is imported, 0.32 from the LoggingConfig the engine arguments made.
+    code = (
+        "import vllm.logger\n"
+        "from vllm.logger import init_logger\n"
+        "if hasattr(vllm.logger, 'configure_logging'):\n"
+        "    from vllm.config.logging import LoggingConfig\n"
+        "    vllm.logger.configure_logging(LoggingConfig())\n"
+        "init_logger('vllm.v1.worker.gpu_worker').info("
+        "'Available KV cache memory: %s GiB', '1.5')\n"
+        "init_logger('vllm.v1.engine.core').info('an INFO line of another logger')\n"
+        "init_logger('vllm.v1.worker.gpu_worker').warning('a warning')\n"
+    )
+    env = {**os.environ, "VLLM_LOGGING_CONFIG_PATH": str(path), "VLLM_LOGGING_LEVEL": "WARNING"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    logged = (tmp_path / "kv.log").read_text()
+    assert _compat.kv_cache_bytes_logged(logged) == int(1.495 * (1 << 30))
+    assert "another logger" not in logged + out.stdout, "other INFO lines stay at WARNING"
+    assert "Available KV" not in out.stdout and "a warning" in out.stdout + out.stderr

@@ -88,63 +88,120 @@ def test_a_restarted_replica_comes_back_in_the_services_state(state, steps):
 
 
 # ---------------------------------------------------------------------- start order
+# The pool's glue of engine/driver/start_order.py (its logic: tests/unit/test_start_order.py),
+# over stand-ins of a replica actor's Ray methods.
+class _Method:
+    """A Ray actor method's ``.remote(...)`` / ``.options(...).remote(...)``."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        return asyncio.ensure_future(self._fn(*args))
+
+
 class _Actor:
-    """Stands in for a replica actor's ``visible_devices`` (a Ray method's ``.remote``)."""
+    """A replica actor on GPU ``devices`` of ``node``: its engine logs a KV size of
+    ``size`` 20 ms into a 60 ms start."""
 
-    def __init__(self, node: str, devices: str):
-        self.visible_devices = self
-        self._answer = (node, devices)
+    def __init__(self, events, name, node="n1", devices="0", size=6 << 30):
+        self.events, self.name, self.size, self.logged = events, name, size, None
 
-    def remote(self):
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(self._answer)
-        return fut
+        async def where():
+            return node, devices
+
+        self.visible_devices = _Method(where)
+        self.start = _Method(self._start)
+        self.kv_cache_size = _Method(self._kv_cache_size)
+        self.preload = _Method(self._preload)
+        self.over = asyncio.Event()
+
+    async def _start(self, kv_bytes=None, report=False):
+        self.events.append(("in", self.name, kv_bytes))
+        await asyncio.sleep(0.02)
+        self.logged = self.size if report else None
+        await asyncio.sleep(0.04)
+        self.events.append(("out", self.name, kv_bytes))
+        self.over.set()
+        return self.name
+
+    async def _kv_cache_size(self):
+        while self.logged is None and not self.over.is_set():
+            await asyncio.sleep(0.005)
+        return self.logged
+
+    async def _preload(self):
+        self.events.append(("preload", self.name, None))
 
 
-def _pool(gpus: float) -> ReplicaPool:
+def _pool(gpus: float, **engine) -> ReplicaPool:
     from torchrl_vllm_ext.engine.config import ServiceConfig
+    from torchrl_vllm_ext.engine.driver.start_order import orders_starts
     from torchrl_vllm_ext.testing import make_tiny_model
 
-    pool = ReplicaPool(ServiceConfig(model=make_tiny_model()), "svc")
+    pool = ReplicaPool(ServiceConfig(model=make_tiny_model(), engine_kwargs=engine), "svc")
     pool._res = cluster.ReplicaResources(use_gpu=True, num_workers=1, cpus=1.0, gpus=gpus)
+    pool._orders_starts = orders_starts(
+        cluster.shares_gpus(pool._res), cluster.engine_kwargs(pool._res, pool.config)
+    )
     return pool
 
 
-async def _starts(pool: ReplicaPool, actors) -> list[tuple[str, int]]:
-    """Enter each actor's start lock at once, hold it briefly; the order of events."""
-    events: list[tuple[str, int]] = []
+def _starts(pool: ReplicaPool, *specs) -> list[tuple]:
+    """Start each stand-in at once through the pool; the order of events."""
 
-    async def start(i, actor):
-        async with pool._start_lock(actor, f"r{i}"):
-            events.append(("in", i))
-            await asyncio.sleep(0.02)
-            events.append(("out", i))
+    async def main():
+        events: list[tuple] = []
+        actors = [_Actor(events, i, **spec) for i, spec in enumerate(specs)]
+        done = await asyncio.gather(*(pool._start_engine(a, a.name) for a in actors))
+        assert done == list(range(len(specs)))
+        return events
 
-    await asyncio.gather(*(start(i, a) for i, a in enumerate(actors)))
-    return events
+    return asyncio.run(main())
 
 
 def _overlapping(events) -> bool:
     inside = 0
-    for kind, _ in events:
-        inside += 1 if kind == "in" else -1
+    for kind, *_ in events:
+        inside += {"in": 1, "out": -1}.get(kind, 0)
         if inside > 1:
             return True
     return False
 
 
-def test_replicas_sharing_a_gpu_start_one_after_another():
-    events = asyncio.run(_starts(_pool(0.5), [_Actor("n1", "0"), _Actor("n1", "0")]))
+def test_replicas_sharing_a_gpu_start_pinned_once_the_first_logged_its_size():
+    pool = _pool(0.5)
+    events = _starts(pool, {}, {})
+    assert events[0] == ("in", 0, None), "the first starts alone, sized by vLLM"
+    assert ("preload", 1, None) in events, "the other imports vLLM meanwhile"
+    second = events.index(("in", 1, 6 << 30))
+    assert second < events.index(("out", 0, None)), "it starts before the first serves"
+    pin = pool.start_gates.order.pins[("n1", "0")]
+    assert (pin.nbytes, pin.measured_by) == (6 << 30, 0)
+    assert "kv_cache_memory_bytes" not in pool.config.engine_kwargs
+    assert _starts(pool, {})[0] == ("in", 0, 6 << 30), "a restart reuses the size at once"
+
+
+def test_replicas_on_different_gpus_or_nodes_profile_together():
+    events = _starts(_pool(0.5), {"devices": "0"}, {"devices": "1"}, {"node": "n2"})
+    assert _overlapping(events)
+    assert all(kv is None for kind, _, kv in events if kind == "in")
+
+
+@pytest.mark.parametrize(("gpus", "engine"), [(1.0, {}), (0.5, {"kv_cache_memory_bytes": 4 << 30})])
+def test_whole_gpus_or_a_given_size_start_at_once(gpus, engine):
+    events = _starts(_pool(gpus, **engine), {}, {})
+    assert _overlapping(events)
+    assert not any(kind == "preload" for kind, *_ in events)
+
+
+def test_without_a_logged_size_the_replicas_profile_one_after_another():
+    events = _starts(_pool(0.5), {"size": None}, {"size": None})
     assert not _overlapping(events)
-
-
-def test_replicas_on_different_gpus_or_nodes_start_together():
-    actors = [_Actor("n1", "0"), _Actor("n1", "1"), _Actor("n2", "0")]
-    assert _overlapping(asyncio.run(_starts(_pool(0.5), actors)))
-
-
-def test_replicas_with_whole_gpus_never_wait_for_a_start_lock():
-    assert _overlapping(asyncio.run(_starts(_pool(1.0), [_Actor("n1", "0"), _Actor("n1", "0")])))
+    assert [kv for kind, _, kv in events if kind == "in"] == [None, None]
 
 
 def test_start_lock_key_normalises_device_lists():

@@ -81,6 +81,11 @@ class ServiceConfig:
     """vLLM ``worker_extension_cls`` of the replicas: the weight-sync receivers."""
     actor_extension_cls: str | None = ACTOR_EXTENSION
     """Class instantiated in each replica actor (``VLLMReplica.extension_call``)."""
+    engine_cls: str | None = None
+    """Dotted path of the :class:`~torchrl_vllm_ext.engine.replica.engine.Engine` every
+    replica drives instead of vLLM's (None: vLLM's, chosen by the build and the workers); a
+    stand-in such as ``torchrl_vllm_ext.testing.instant.InstantEngine`` measures the
+    package's own ceiling (``benchmarks/bench_ceiling.py``)."""
     engine_updates_cls: str | None = ENGINE_UPDATES
     """Class TorchRL's engine weight calls on the service go through (``update_weights``,
     ``init_weight_update_group``, ...), built as ``cls(service)`` on first use and
@@ -134,6 +139,17 @@ class ServiceConfig:
             raise ConfigurationError(
                 f"gpus_per_replica={self.gpus_per_replica!r} must be in (0, 1], and 1 with "
                 "tensor or pipeline parallelism (each worker owns its GPU)."
+            )
+        share = self.engine_kwargs.get("gpu_memory_utilization")
+        if self.gpus_per_replica < 1 and share is not None and share > self.gpus_per_replica:
+            # Replicas sharing a GPU start in parallel, each within its share
+            # (engine/driver/start_order.py): the shares must fit in the GPU together.
+            raise ConfigurationError(
+                f"gpu_memory_utilization={share!r} is a share of the whole GPU, and replicas "
+                f"with gpus_per_replica={self.gpus_per_replica!r} share one: together they "
+                f"would ask for more than the GPU has. Give at most {self.gpus_per_replica!r} "
+                f"(the default is 0.9 x gpus_per_replica = {0.9 * self.gpus_per_replica:.3g}), "
+                "or set kv_cache_memory_bytes."
             )
         if self.placement not in PLACEMENTS:
             raise ConfigurationError(f"placement={self.placement!r} is not one of {PLACEMENTS}.")

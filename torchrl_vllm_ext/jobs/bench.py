@@ -25,6 +25,7 @@ logger = logging.getLogger(__name__)
 BENCHMARKS = {
     "generate": ([], ["--rounds", "3", "--prompts", "32"]),
     "policy": ([], ["--rounds", "3", "--prompts", "32"]),
+    "ceiling": ([], ["--rounds", "3", "--prompts", "64", "--max-tokens", "32"]),
     "sync": ([], ["--hidden", "256", "--layers", "8", "--repeats", "3"]),
     "collect": ([], ["--rounds", "2", "--repeats", "1", "--overhead-rounds", "5"]),
     "faults": ([], ["--quick"]),

@@ -193,13 +193,14 @@ def shares_gpus(res: ReplicaResources | None) -> bool:
 
 
 def start_lock_key(devices: tuple[str, str]) -> tuple[str, str]:
-    """The start lock of a replica whose actor reported ``(node, CUDA_VISIBLE_DEVICES)``.
+    """The GPU key of a replica whose actor reported ``(node, CUDA_VISIBLE_DEVICES)``.
 
     vLLM sizes its KV cache from a profile of the whole GPU's free memory, so two engines
-    starting on one GPU count each other's allocations as their own (vLLM #55827): starts
-    that share a lock run one after another. Ray gives an actor the same physical device
-    numbers for as long as the node lives; an actor that sees no device (a TP replica,
-    whose workers hold the GPUs) shares one lock per node.
+    profiling one GPU at once count each other's allocations as their own (vLLM #55827):
+    replicas with one key start in the order of
+    :mod:`~torchrl_vllm_ext.engine.driver.start_order` (one profile, then the others with
+    its size). Ray gives an actor the same physical device numbers for as long as the node
+    lives; an actor that sees no device shares one key per node.
 
     Examples:
         >>> start_lock_key(("10.0.0.2", "3"))

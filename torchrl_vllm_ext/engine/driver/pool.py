@@ -39,8 +39,14 @@ from torchrl_vllm_ext.engine import placement
 from torchrl_vllm_ext.engine.calls import DEATH_ERRORS, Outcomes, ReplicaCalls, actor_cause
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.driver import cluster
+from torchrl_vllm_ext.engine.driver.start_order import StartGates, orders_starts
 from torchrl_vllm_ext.engine.fleet import ReplicaFleet, ReplicaState, ReplicaView, WeightsProvider
-from torchrl_vllm_ext.engine.replica.actor import ReplicaSpec, VLLMReplica
+from torchrl_vllm_ext.engine.replica.actor import (
+    CONCURRENCY_GROUPS,
+    WATCH_GROUP,
+    ReplicaSpec,
+    VLLMReplica,
+)
 from torchrl_vllm_ext.engine.serving import ServingState, restart_steps
 from torchrl_vllm_ext.errors import (
     NoHealthyReplicaError,
@@ -102,9 +108,10 @@ class ReplicaPool(ReplicaCalls):
         self._death_listeners: list[Callable[[int], None]] = []
         self._bring_up_steps: list[BringUpStep] = []
         self._serving_hooks: list[ServingHook] = []
-        # Replicas sharing a GPU start one at a time on it (vLLM's start-up profile
-        # measures the whole GPU's memory): one lock per (node, devices).
-        self._start_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # Replicas sharing a GPU: the first profiles it alone, the others start with the
+        # KV-cache size it measured (engine/driver/start_order.py); kept for restarts.
+        self.start_gates = StartGates()
+        self._orders_starts = False
         self._tasks: set[asyncio.Task] = set()
         self._restarting: set[int] = set()  # ids between their death and their restart
         self._closed = False
@@ -207,6 +214,9 @@ class ReplicaPool(ReplicaCalls):
         """Plan what each replica reserves; call once, after Ray is connected."""
         self._res = cluster.plan_resources(self.config)
         self._driver_ip = ray.util.get_node_ip_address()
+        self._orders_starts = orders_starts(
+            cluster.shares_gpus(self._res), cluster.engine_kwargs(self._res, self.config)
+        )
 
     async def start(self, count: int, desc: str) -> list[int]:
         """Start ``count`` replicas at once (a progress bar); their ids once all serve."""
@@ -250,6 +260,7 @@ class ReplicaPool(ReplicaCalls):
             in_process=cluster.in_process_engine(res, cfg),
             actor_extension=cfg.actor_extension_cls,
             log_file=cfg.log_file,
+            engine_cls=cfg.engine_cls,
         )
 
     async def _start_replica(self, rid: int, node: str | None) -> None:
@@ -261,13 +272,12 @@ class ReplicaPool(ReplicaCalls):
         self._records[rid] = rec  # registered first, so close() finds it whatever happens
         self._publish()
         rec.actor = (
-            ray.remote(VLLMReplica)
+            ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(VLLMReplica)
             .options(**cluster.actor_options(self._res, name, pg))
             .remote(self._spec(rid))
         )
         try:
-            async with self._start_lock(rec.actor, name):
-                rec.info = await asyncio.wait_for(rec.actor.start.remote(), cfg.startup_timeout)
+            rec.info = await self._start_engine(rec.actor, rid)
         except ray.exceptions.RayTaskError as e:
             cause = actor_cause(e)
             if isinstance(cause, ReplicaStartupError):
@@ -298,19 +308,24 @@ class ReplicaPool(ReplicaCalls):
             else:  # "pause"
                 await actor.pause.remote(*state.paused)
 
-    @contextlib.asynccontextmanager
-    async def _start_lock(self, actor, name: str) -> AsyncIterator[None]:
-        """Held while a replica's engine starts: the lock of its GPU(s) when replicas share
-        GPUs (:func:`~torchrl_vllm_ext.engine.driver.cluster.start_lock_key`), else none."""
-        if not cluster.shares_gpus(self._res):
-            yield
-            return
-        key = cluster.start_lock_key(await actor.visible_devices.remote())
-        lock = self._start_locks.setdefault(key, asyncio.Lock())
-        if lock.locked():
-            logger.info("replica %s waits: another replica starts on GPU %s", name, key)
-        async with lock:
-            yield
+    async def _start_engine(self, actor, rid: int) -> ReplicaInfo:
+        """Start a replica's engine: at once, or in its GPU's turn when replicas share GPUs
+        (:mod:`~torchrl_vllm_ext.engine.driver.start_order`: the first profiles alone, the
+        others start with its KV-cache size; the startup timeout counts from the start)."""
+
+        def start(kv_cache_memory_bytes: int | None, report_kv_size: bool):
+            ref = actor.start.remote(kv_cache_memory_bytes, report_kv_size)
+            return asyncio.wait_for(ref, self.config.startup_timeout)
+
+        if not self._orders_starts:
+            return await start(None, False)
+        return await self.start_gates.start(
+            cluster.start_lock_key(await actor.visible_devices.remote()),
+            rid,
+            start,
+            watch=lambda: actor.kv_cache_size.options(concurrency_group=WATCH_GROUP).remote(),
+            prepare=lambda: actor.preload.remote(),
+        )
 
     def set_provider(self, provider: WeightsProvider | None) -> None:
         """Make ``provider`` bring started replicas to the live weights (None: nobody)."""

@@ -9,18 +9,23 @@ worker-extension method that the caller names; the replica knows no transport.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import json
 import logging
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._compat import (
     engine_dead_errors,
+    kv_cache_bytes_logged,
+    kv_size_log_config,
     lora_request,
     release_distributed,
     vllm_engine_api,
@@ -48,6 +53,14 @@ logger = logging.getLogger(__name__)
 
 TEMP_PREFIX = leftovers.PREFIX + "replica-tmp-"
 """A replica process's temporary directory (:func:`~torchrl_vllm_ext.leftovers.adopt_tempdir`)."""
+
+WATCH_GROUP = "start-watch"
+"""The Ray concurrency group of :meth:`VLLMReplica.kv_cache_size`: its own thread and event
+loop, so it answers while the engine's start blocks the actor's loop (``AsyncLLM`` is built
+synchronously)."""
+CONCURRENCY_GROUPS = {WATCH_GROUP: 1}
+"""The replica actor class's concurrency groups (``ray.remote(concurrency_groups=...)``)."""
+_LOGGING_CONFIG_ENV = "VLLM_LOGGING_CONFIG_PATH"
 
 _NATIVE_TRANSFER = (
     "replica {}: vLLM's native weight transfer (TorchRL's VLLMWeightSyncScheme and "
@@ -112,6 +125,8 @@ class ReplicaSpec:
     :meth:`VLLMReplica.extension_call` runs (see :mod:`torchrl_vllm_ext.protocol`)."""
     log_file: str | None = None
     """Append the actor's output (and its children's) to this file."""
+    engine_cls: str | None = None
+    """Dotted path of the :class:`Engine` to drive instead of vLLM's (a stand-in)."""
 
 
 class VLLMReplica:
@@ -146,25 +161,57 @@ class VLLMReplica:
         # sample had when the newest weights came in (see pack_outputs).
         self._inflight: set[str] = set()
         self._end_version_from: dict[tuple[str, int], int] = {}
-        self._engine_class = engine_class(spec.in_process)
+        self._engine_class = (
+            load_class(spec.engine_cls) if spec.engine_cls else engine_class(spec.in_process)
+        )
         self._extension = load_class(spec.actor_extension)() if spec.actor_extension else None
         self._shipped: Path | None = None  # adapters shipped to this node (stage_files)
         self._tmp: Path | None = None  # this process's TMPDIR (vLLM's rendezvous, sockets)
+        # The file the starting engine's workers log their KV-cache size to (read by
+        # kv_cache_size from another thread), and whether the start is over.
+        self._kv_log: Path | None = None
+        self._start_over = False
         self.engine: Engine | None = None
 
-    async def start(self) -> ReplicaInfo:
-        """Build the engine; return what the router and validators need to know."""
+    def preload(self) -> None:
+        """Import vLLM (seconds to tens of seconds) before the engine may start: a replica
+        waiting for its GPU's KV-cache size does it meanwhile."""
+        vllm_engine_api()
+
+    async def start(
+        self, kv_cache_memory_bytes: int | None = None, report_kv_size: bool = False
+    ) -> ReplicaInfo:
+        """Build the engine; return what the router and validators need to know.
+
+        Args:
+            kv_cache_memory_bytes: the KV-cache size to start with (replicas sharing a
+                GPU: the size the first one measured; see
+                :mod:`~torchrl_vllm_ext.engine.driver.start_order`); None: vLLM sizes it
+                (or the engine arguments give it).
+            report_kv_size: route the workers' KV-size log lines to a file of this replica,
+                which :meth:`kv_cache_size` reads while the engine still starts.
+        """
+        self._start_over = False
+        try:
+            return await self._start(kv_cache_memory_bytes, report_kv_size)
+        finally:
+            self._start_over = True
+
+    async def _start(self, kv_cache_memory_bytes: int | None, report_kv_size: bool) -> ReplicaInfo:
         # A replica killed on this node (SIGKILL: no cleanup) left its shipped adapters
         # and its temporary directory.
         await asyncio.to_thread(leftovers.reap)
         self._tmp = leftovers.adopt_tempdir(TEMP_PREFIX)
         kwargs = {"enable_log_requests": False, "disable_log_stats": True}
         kwargs.update(self._engine_kwargs)
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
         api = vllm_engine_api()
         stderr_mark = StderrMark()  # an engine-core process's traceback lands past it
         try:
             args = api.AsyncEngineArgs(model=self._model, **kwargs)
-            self.engine = await self._engine_class.start(args)
+            with self._kv_size_reported(report_kv_size):
+                self.engine = await self._engine_class.start(args)
             await self.engine.set_weight_version(self._version)
             # One token through the model before taking traffic, with the options every
             # request has (sampled-token log-probs): vLLM-CPU runs no forward pass while
@@ -188,6 +235,7 @@ class VLLMReplica:
         import ray
 
         limits = self.engine.limits
+        logged = self._logged_kv_size()
         info = ReplicaInfo(
             replica_id=self.replica_id,
             pid=os.getpid(),
@@ -197,13 +245,55 @@ class VLLMReplica:
             kv_capacity_tokens=limits.kv_capacity_tokens,
             temp_dir=str(self._tmp),
             dtype=limits.dtype,
+            kv_cache_bytes=kwargs.get("kv_cache_memory_bytes") or logged,
         )
         logger.info("replica %d ready: %s", self.replica_id, info)
         return info
 
+    @contextlib.contextmanager
+    def _kv_size_reported(self, report: bool) -> Iterator[None]:
+        """While the engine starts (``report``): its processes log their workers' KV-size
+        lines to a file in this replica's temporary directory (removed with it), through
+        ``VLLM_LOGGING_CONFIG_PATH``; every other log line goes where vLLM sends it."""
+        config = kv_size_log_config(str(self._tmp / "kv-size.log")) if report else None
+        if config is None:
+            yield
+            return
+        path = self._tmp / "vllm-logging.json"
+        path.write_text(json.dumps(config))
+        self._kv_log = Path(config["handlers"]["torchrl_vllm_kv_size"]["filename"])
+        saved = os.environ.get(_LOGGING_CONFIG_ENV)
+        os.environ[_LOGGING_CONFIG_ENV] = str(path)  # the engine-core process inherits it
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop(_LOGGING_CONFIG_ENV, None)
+            else:
+                os.environ[_LOGGING_CONFIG_ENV] = saved
+
+    def _logged_kv_size(self) -> int | None:
+        try:
+            return kv_cache_bytes_logged(self._kv_log.read_text()) if self._kv_log else None
+        except OSError:  # not written yet
+            return None
+
+    async def kv_cache_size(self, poll_s: float = 0.25) -> int | None:
+        """The KV-cache size (bytes) the engine being started logged, as soon as it does:
+        after vLLM's memory profile, before CUDA-graph capture. None when the start ended
+        without one (it was not started with ``report_kv_size``, vLLM's logging is off, the
+        start failed). Called in :data:`WATCH_GROUP`, beside :meth:`start`."""
+        while True:
+            over = self._start_over  # read first: one more look at the file after the end
+            size = self._logged_kv_size()
+            if size is not None or over:
+                return size
+            await asyncio.sleep(poll_s)
+
     def visible_devices(self) -> tuple[str, str]:
-        """``(node, CUDA_VISIBLE_DEVICES)`` of this actor, before its engine starts (replicas
-        sharing a GPU start one at a time: :func:`~torchrl_vllm_ext.engine.driver.cluster.start_lock_key`)."""
+        """``(node, CUDA_VISIBLE_DEVICES)`` of this actor, before its engine starts: the GPU
+        whose start order it joins when replicas share GPUs
+        (:func:`~torchrl_vllm_ext.engine.driver.cluster.start_lock_key`)."""
         import ray
 
         return ray.util.get_node_ip_address(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
