@@ -51,7 +51,7 @@ def launch(model: str, replicas: int, kwargs: dict) -> tuple[float, dict]:
             for (node, devices), pin in svc.pool.start_gates.order.pins.items()
         }
         kv = {rid: svc.replica_info(rid).kv_cache_bytes for rid in svc.replica_ids}
-        out = svc.generate_request_batch([[5, 6, 7]] * 4, {"max_tokens": 4})
+        out = svc.generate_request_batch([[5, 6, 7]] * 4, {"max_tokens": 4, "ignore_eos": True})
         assert int(out.sample_lengths.sum()) == 16, "every replica serves"
     finally:
         svc.shutdown()
