@@ -127,6 +127,10 @@ def test_replicas_sharing_a_gpu_start_without_a_hand_set_kv_size(
     gpu_service, fresh, record_property
 ):
     record_property("launch_s", round(gpu_service.launch_s, 1))
+    pins = gpu_service.pool.start_gates.order.pins  # the first replica's measured KV size
+    record_property(
+        "kv_pins", "; ".join(f"{p} after {p.after_s} s" for p in pins.values()) or "none"
+    )
     record_property("fresh_gap", round(fresh.gap, 4))
     record_property("fresh_decode_gap", round(fresh.decode_gap, 4))
     assert gpu_service.uses_gpu and gpu_service.num_replicas == 2
