@@ -5,6 +5,13 @@ Model: a random Qwen2 of ~350 MB fp32 with ~290 tensors, served by two replicas.
 * storage / broadcast: time from ``push`` to every replica serving the new version,
   GB/s, and the longest generation pause (storage also with ``rollout="rolling"``: one
   replica at a time, so the others keep serving);
+* the load plan (``load_plan``): the same scheme pushing with the workers' load plans on
+  (the pause replays one batched copy) and off (the model's loader, as before plans:
+  ``TORCHRL_VLLM_LOAD_PLAN=0``), alternating which goes first each round, per transport
+  and rollout: push and pause medians, every phase, the replayed share, and the pause
+  over a memcpy of the same bytes (with ``parallel`` rollout every replica copies the
+  bytes at once, so on 2 cores the pause shares the memory bandwidth: ``rolling`` shows
+  one replica's);
 * (a) memcpy bandwidth of the same bytes (``torch`` copy into a preallocated buffer);
 * (b) one RPC plus one broadcast per parameter, the pattern of TorchRL's older updater:
   each worker receives, verifies and loads the parameter as it arrives, like a push;
@@ -16,14 +23,17 @@ Model: a random Qwen2 of ~350 MB fp32 with ~290 tensors, served by two replicas.
 
 On a machine with CUDA (:func:`gpu_main`, ``--gpu``; default model: Qwen2 layout, hidden
 2048, 16 layers, bf16, ~1.2 GB; one replica on the trainer's GPU): the colocated push
-(``auto``: CUDA IPC) and the storage push (staged on the GPU before the pause), alternating
-which goes first each round, beside a device-to-device copy and a pinned host-to-device
-copy of the same bytes (synchronised); the pause over one device copy; and whether both
-pushes leave the replica with bitwise the same log-probs.
+(``auto``: CUDA IPC) and the storage push (staged on the GPU before the pause), each with
+the load plans on and off, alternating the order each round, beside a device-to-device copy
+and a pinned host-to-device copy of the same bytes (synchronised); every phase, the
+replayed share, where storage staged, the pause over one device copy; whether the pushes
+leave the replica with bitwise the same log-probs; and the targets below (``targets``).
 
 Prints one JSON object. Targets: storage_vs_memcpy >= 0.25, broadcast_vs_per_param >= 10,
 storage pause <= half its push time, verify on by default only if it costs < 10% of a push;
-on GPU, colocated pause <= 10 ms and storage pause <= 30 ms for ~1.2 GB.
+the CPU storage pause (plans on) <= 2x the memcpy and its push not slower than plans off;
+on GPU (1.21 GB bf16, one H100/H200), colocated pause <= 5 ms and push <= 25 ms, storage
+pause <= 10 ms, log-probs bitwise equal across transports and plans.
 """
 
 from __future__ import annotations
@@ -116,6 +126,70 @@ def verify_cost(svc, trainer, transport: str, repeats: int) -> dict:
     }
 
 
+def set_load_plan(svc, enabled: bool) -> None:
+    """Switch every replica's workers' load plans on or off (``use_load_plan``)."""
+    import ray
+
+    from torchrl_vllm_ext.protocol import WorkerMethods
+
+    ray.get(
+        [
+            v.handle.collective_rpc.remote(WorkerMethods.LOAD_PLAN, (enabled,))
+            for v in svc.replicas()
+        ]
+    )
+
+
+def figures(reports, copy_s: float | None = None, copy_name: str = "memcpy") -> dict:
+    """Medians of a set of pushes: push, pause (the longest replica's), every phase, the
+    replayed share, and the pause over ``copy_s`` (a copy of the same bytes)."""
+    push = statistics.median(r.seconds for r in reports)
+    pause = statistics.median(max(r.pause_s.values()) for r in reports)
+    phases = sorted({k for r in reports for k in r.phases})
+    out = {
+        "transport": reports[-1].transport,
+        "push_s": round(push, 4),
+        "pause_s": round(pause, 4),
+        "gb_per_s": round(reports[-1].nbytes / push / 1e9, 2),
+        "phases_s": {
+            k: round(statistics.median(r.phases.get(k, 0.0) for r in reports), 4) for k in phases
+        },
+        "replayed_share": reports[-1].replayed_share,
+        "load_paths": sorted({w["path"] for ws in reports[-1].loads.values() for w in ws}),
+    }
+    if reports[-1].staged_in:
+        out["staged_in"] = sorted(set(reports[-1].staged_in.values()))
+    if copy_s:
+        out[f"pause_over_{copy_name}"] = round(pause / copy_s, 2)
+    return out
+
+
+def load_plan_cost(
+    svc, trainer, transport: str, repeats: int, memcpy_s: float, rollout: str = "parallel"
+) -> dict:
+    """Push and pause with the load plans on vs off, same scheme, alternating which goes
+    first each round (plans off = the loader in the pause, as before plans)."""
+    from torchrl_vllm_ext import WeightSyncScheme
+
+    runs: dict[bool, list] = {True: [], False: []}
+    with WeightSyncScheme(svc, transport=transport, verify="never", rollout=rollout) as scheme:
+        scheme.push(trainer, version=f"plan-{transport}-warm")  # slots / group; the trace
+        try:
+            for i in range(repeats):
+                for on in (True, False) if i % 2 == 0 else (False, True):
+                    set_load_plan(svc, on)
+                    runs[on].append(scheme.push(trainer, version=f"plan-{transport}-{i}-{on}"))
+        finally:
+            set_load_plan(svc, True)
+    on, off = figures(runs[True], memcpy_s), figures(runs[False], memcpy_s)
+    return {
+        "plans_on": on,
+        "plans_off": off,
+        "pause_off_over_on": round(off["pause_s"] / on["pause_s"], 2),
+        "push_off_over_on": round(off["push_s"] / on["push_s"], 2),
+    }
+
+
 def cuda_copy_s(src: torch.Tensor, dst: torch.Tensor, repeats: int) -> float:
     """Median seconds of ``dst.copy_(src)``, synchronised (the first copy warms up)."""
     dst.copy_(src)
@@ -156,8 +230,9 @@ def gpu_main(args) -> dict:
     h2d_s = cuda_copy_s(torch.empty_like(flat, device="cpu").pin_memory(), flat, args.repeats)
     del flat
     probe = list(range(5, 69))
-    runs: dict[str, list] = {COLOCATED: [], STORAGE: []}
-    logprobs: dict[str, list] = {}
+    systems = [(name, plans) for name in (COLOCATED, STORAGE) for plans in (True, False)]
+    runs: dict[tuple, list] = {system: [] for system in systems}
+    logprobs: dict[tuple, list] = {}
     with VLLMService.launch(
         model_dir,
         num_replicas=args.replicas,
@@ -166,35 +241,30 @@ def gpu_main(args) -> dict:
         max_model_len=256,
         health_check_interval=0,
     ) as svc:
-        schemes = {t: WeightSyncScheme(svc, transport=t, verify="never") for t in runs}
+        schemes = {
+            t: WeightSyncScheme(svc, transport=t, verify="never") for t in (COLOCATED, STORAGE)
+        }
         try:
             for name, scheme in schemes.items():
-                scheme.push(trainer, version=f"{name}-warm")  # slots, buffers, handles
+                scheme.push(trainer, version=f"{name}-warm")  # slots, buffers, handles, plans
             for i in range(args.repeats):
-                for name in (COLOCATED, STORAGE) if i % 2 == 0 else (STORAGE, COLOCATED):
-                    runs[name].append(schemes[name].push(trainer, version=f"{name}-{i}"))
-                    logprobs[name] = served_logprobs(svc, probe)
+                order = systems if i % 2 == 0 else systems[::-1]
+                for name, plans in order:
+                    set_load_plan(svc, plans)
+                    report = schemes[name].push(trainer, version=f"{name}-{plans}-{i}")
+                    runs[(name, plans)].append(report)
+                    logprobs[(name, plans)] = served_logprobs(svc, probe)
+            set_load_plan(svc, True)
             reasons = {name: scheme.reason for name, scheme in schemes.items()}
         finally:
             for scheme in schemes.values():
                 scheme.close()
 
-    def figures(reports) -> dict:
-        push = statistics.median(r.seconds for r in reports)
-        pause = statistics.median(max(r.pause_s.values()) for r in reports)
-        return {
-            "transport": reports[-1].transport,
-            "push_s": round(push, 4),
-            "pause_s": round(pause, 4),
-            "pause_over_d2d": round(pause / d2d_s, 1),
-            "gb_per_s": round(nbytes / push / 1e9, 2),
-            "staged_in": sorted(set(reports[-1].staged_in.values())),
-            "phases_s": {
-                k: round(statistics.median(r.phases.get(k, 0.0) for r in reports), 4)
-                for k in reports[-1].phases
-            },
-        }
-
+    colocated, storage = (
+        figures(runs[(COLOCATED, True)], d2d_s, "d2d"),
+        figures(runs[(STORAGE, True)], d2d_s, "d2d"),
+    )
+    bitwise = all(lp == logprobs[systems[0]] for lp in logprobs.values())
     return {
         "benchmark": "weight_sync_gpu",
         "device": torch.cuda.get_device_name(0),
@@ -203,10 +273,18 @@ def gpu_main(args) -> dict:
         "replicas": args.replicas,
         "d2d_copy_s": round(d2d_s, 5),
         "pinned_h2d_copy_s": round(h2d_s, 5),
-        "colocated": figures(runs["auto"]),
-        "storage": figures(runs["storage"]),
-        "plan": reasons["auto"],
-        "logprobs_bitwise_equal": logprobs["auto"] == logprobs["storage"],
+        "colocated": colocated,
+        "colocated_plans_off": figures(runs[(COLOCATED, False)], d2d_s, "d2d"),
+        "storage": storage,
+        "storage_plans_off": figures(runs[(STORAGE, False)], d2d_s, "d2d"),
+        "plan": reasons[COLOCATED],
+        "logprobs_bitwise_equal": bitwise,
+        "targets": {
+            "colocated_pause_le_5ms": colocated["pause_s"] <= 0.005,
+            "colocated_push_le_25ms": colocated["push_s"] <= 0.025,
+            "storage_pause_le_10ms": storage["pause_s"] <= 0.010,
+            "logprobs_bitwise_equal": bitwise,
+        },
     }
 
 
@@ -251,6 +329,12 @@ def main(args) -> dict:
         enforce_eager=True,
         health_check_interval=0,
     ) as svc:
+        plans: dict = {}
+        if not args.verify_only:
+            for name, transport, rollout in RUNS:
+                plans[name] = load_plan_cost(
+                    svc, trainer, transport, args.repeats, memcpy_s, rollout
+                )
         for transport in registry.names(cpu=True, composite=False):
             verify[transport] = verify_cost(svc, trainer, transport, args.repeats)
         if args.verify_only:
@@ -312,6 +396,14 @@ def main(args) -> dict:
         "storage_vs_torch_save_load": round(save_load_s / results["storage"]["push_s"], 2),
         "storage_phases_s": results["storage"]["phases"],
         "broadcast_phases_s": results["broadcast"]["phases"],
+        "memcpy_s": round(memcpy_s, 4),
+        "load_plan": plans,
+        "targets": {
+            "storage_pause_le_2x_memcpy": plans["storage"]["plans_on"]["pause_s"] <= 2 * memcpy_s,
+            "storage_rolling_pause_le_2x_memcpy": plans["storage_rolling"]["plans_on"]["pause_s"]
+            <= 2 * memcpy_s,
+            "storage_push_not_slower": plans["storage"]["push_off_over_on"] >= 1.0,
+        },
         "verify": verify,
     }
 

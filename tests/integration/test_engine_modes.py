@@ -10,9 +10,15 @@ import numpy as np
 import psutil
 import ray
 
-from torchrl_vllm_ext import VLLMService, leftovers
+from torchrl_vllm_ext import VLLMService, WeightSyncScheme, leftovers
 
-from ..helpers import CPUS_PER_REPLICA, ENGINE_KWARGS
+from ..helpers import (
+    CPUS_PER_REPLICA,
+    ENGINE_KWARGS,
+    assert_replicas_match,
+    load_trainer,
+    perturb,
+)
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 PARAMS = {"max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 0, "prompt_logprobs": 0}
@@ -62,3 +68,29 @@ def test_async_engine_replica_gives_the_in_process_replicas_tokens_and_logprobs(
         np.testing.assert_allclose(a.prompt_logprobs, b.prompt_logprobs, atol=1e-4)
         # (the tiny model may sample its EOS, <|endoftext|>: "stop" on both, then)
         assert a.samples[0].finish_reason == b.samples[0].finish_reason
+
+
+def test_async_engine_replica_pauses_and_loads_in_one_call_and_stays_exact(tiny_model):
+    """``AsyncLLM``'s pause and the workers' load go to the engine core back to back (one
+    round trip), then the label and the resume: while a batch generates, pushes traced and
+    then replayed from the load plan land exactly, with ``abort`` and ``keep`` pauses."""
+    trainer = load_trainer(tiny_model)
+    with VLLMService.launch(
+        tiny_model,
+        num_replicas=1,
+        cpus_per_replica=CPUS_PER_REPLICA,
+        engine_process=True,
+        **ENGINE_KWARGS,
+    ) as svc:
+        paths = []
+        for seed, pause_mode in enumerate(("abort", "abort", "keep"), start=1):
+            with WeightSyncScheme(svc, transport="storage", pause_mode=pause_mode) as scheme:
+                perturb(trainer, seed=seed)
+                running = svc.submit(
+                    svc.agenerate_request_data(PROMPTS, {"max_tokens": 64, "ignore_eos": True})
+                )
+                report = scheme.push(trainer, version=f"{pause_mode}-{seed}")
+                running.result(timeout=120)
+                paths.append(report.loads[0][0]["path"])
+            assert_replicas_match(svc, trainer, f"{pause_mode}-{seed}")
+        assert paths == ["trace", "replay", "replay"]

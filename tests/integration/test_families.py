@@ -5,7 +5,9 @@ replica (LoRA on where vLLM supports it for the family) serves the module's test
 order: it scores and generates like transformers (fp32, 1e-4); after every trainer
 parameter is perturbed, a storage push and then a broadcast push each make it equal
 again; a push with a missing or misshaped fused tensor is refused and changes nothing;
-an adapter push equals the PEFT model. The default suite runs a subset of structurally
+an adapter push equals the PEFT model; a push replayed from the workers' load plan leaves
+every parameter bitwise what the model's own loader leaves (MoE rows: vLLM's layerwise
+reload on every push, as before). The default suite runs a subset of structurally
 distinct families; ``--runslow`` runs them all.
 
 Each row runs again on a bfloat16 replica (cells ``bf16_*``: the dtype GPU users serve):
@@ -35,6 +37,7 @@ from peft import PeftModel
 
 from torchrl_vllm_ext import AdapterSync, WeightSyncError, WeightSyncScheme
 from torchrl_vllm_ext.errors import ReplicaStartupError
+from torchrl_vllm_ext.protocol import WorkerMethods
 from torchrl_vllm_ext.testing import make_tiny_model
 from torchrl_vllm_ext.weight_sync.verify import reference
 
@@ -50,6 +53,7 @@ from ..helpers import (
     make_adapter,
     perturb,
     replica_logprobs,
+    worker_calls,
 )
 
 RESULTS_ENV = "TORCHRL_VLLM_FAMILIES_JSON"
@@ -226,6 +230,52 @@ def test_family_push_casts_dtype(family):
             scheme.push(state, version=f"{row}-bf16")
         out["gap"] = assert_replicas_match(service, trainer, f"{row}-bf16", dtype=dtype)
         out["limit"] = _limit(trainer, dtype)
+
+
+def test_family_replayed_push_is_bitwise(family):
+    """A push replayed from the worker's load plan leaves every parameter bitwise equal to
+    what the model's own loader leaves from the same bytes (per-parameter checksums): push
+    W2 (replayed), push W1, push W2 again with plans off (the loader), compare. A family
+    whose weights vLLM re-derives after a load (MoE) keeps the layerwise reload on every
+    push, as before plans (its other cells show it exact)."""
+    row, spec, _, _, _, trainer, _, dtype = family
+    with cell(row, "replay", dtype) as out:
+        service = _served(family)
+        with WeightSyncScheme(service, transport="storage", verify="never") as scheme:
+            perturb(trainer, seed=21)
+            w1 = {k: v.clone() for k, v in trainer.state_dict().items()}
+            scheme.push(w1, version=f"{row}-plan-1")  # traced, or replayed already
+            perturb(trainer, seed=22)
+            replayed = scheme.push(trainer, version=f"{row}-plan-2")
+            sums_replayed = worker_calls(service, WorkerMethods.CHECKSUMS)
+            scheme.push(w1, version=f"{row}-plan-3")  # the parameters move away from W2
+            worker_calls(service, WorkerMethods.LOAD_PLAN, False)
+            try:
+                loaded = scheme.push(trainer, version=f"{row}-plan-4")
+            finally:
+                worker_calls(service, WorkerMethods.LOAD_PLAN, True)
+            sums_loaded = worker_calls(service, WorkerMethods.CHECKSUMS)
+        paths = {w["path"] for ws in replayed.loads.values() for w in ws}
+        expected = "replay" if spec.replays else "layerwise"
+        assert paths == {expected}, replayed.loads
+        assert {w["path"] for ws in loaded.loads.values() for w in ws} == {
+            "loader" if spec.replays else "layerwise"
+        }
+        different = [
+            (rid, name)
+            for rid, workers in sums_replayed.items()
+            for i, sums in enumerate(workers)
+            for name, s in sums.items()
+            if sums_loaded[rid][i][name] != s
+        ]
+        assert different == [], f"replayed parameters differ from the loader's: {different}"
+        assert sums_replayed, "no replica answered"
+        if spec.replays:
+            assert replayed.replayed_share == 1.0, replayed.loads
+        out["path"] = expected
+        out["replayed_share"] = replayed.replayed_share
+        out["pause_s"] = {"replay": max(replayed.pause_s.values())}
+        out["pause_s"]["loader"] = max(loaded.pause_s.values())
 
 
 def _fused_name(state: dict) -> str:

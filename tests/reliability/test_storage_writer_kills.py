@@ -53,7 +53,7 @@ def _die() -> None:
 
 def write_and_die(root: str, version: int, point: str | None) -> None:
     """Child process: publish ``version``, SIGKILLing itself at ``point`` (None: after a delay)."""
-    from torchrl_vllm_ext.weight_sync import slots as storage
+    from torchrl_vllm_ext.weight_sync.transports.storage import slots as storage
 
     if point == "start":
         _die()

@@ -39,6 +39,11 @@ PARAMS = {
     WorkerMethods.STAGE_IPC: ["update_json"],
     WorkerMethods.RECEIVE_IPC: ["update_json"],
     WorkerMethods.WEIGHTS_INTACT: [],
+    WorkerMethods.APPLY_STORAGE: ["path", "version"],
+    WorkerMethods.APPLY_STAGED: ["version"],
+    WorkerMethods.LOAD_PLAN: ["enabled"],
+    WorkerMethods.RELEASE_IPC: [],
+    WorkerMethods.CHECKSUMS: [],
     ActorMethods.STAGE_STORAGE: ["root", "version"],
     ActorMethods.RELEASE_STORAGE: ["root"],
 }

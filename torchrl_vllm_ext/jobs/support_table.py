@@ -41,10 +41,12 @@ COLUMNS = {  # header -> the checks of a row it sums up (all must pass)
     "lora": ("lora",),
     "bad push refused": ("refuse_missing", "refuse_shape"),
     "bf16 trainer": ("cast",),
+    "replay": ("replay",),
     "bf16 serve": ("bf16_serve",),
     **{f"bf16 {t}": (f"bf16_{t}",) for t in CHECKED},
     "bf16 lora": ("bf16_lora",),
     "bf16 trainer on bf16": ("bf16_cast",),
+    "bf16 replay": ("bf16_replay",),
 }
 """The table's check columns: float32 replicas, then (``bf16_*`` checks) bfloat16 ones. The
 family matrix runs them all; ``check-model`` serve, storage, broadcast, lora (``--dtype
@@ -69,6 +71,9 @@ def _cell(checks: list[dict]) -> str:
         return "**no**"
     if any(c.get("ok") is None for c in checks):
         return "not run"
+    paths = {c["path"] for c in checks if c.get("path")}
+    if paths - {"replay"}:  # passed on the loader's own path (MoE: layerwise reload)
+        return ", ".join(sorted(paths - {"replay"}))
     gaps = [c["gap"] for c in checks if c.get("gap") is not None]
     return f"yes ({max(gaps):.0e})" if gaps else "yes"
 
@@ -76,14 +81,15 @@ def _cell(checks: list[dict]) -> str:
 def render_table(results: list[dict]) -> str:
     """The support table (markdown) of ``results``: one row per model, a column per check
     (``yes (max |gap|)``; ``no (vLLM)``: the engine refused, its reason in the notes;
-    ``**no**``: this package failed; ``n/a``: not asked; ``not run``), and the notes: the
-    row's own, then every error.
+    ``**no**``: this package failed; ``n/a``: not asked; ``not run``; the replay columns:
+    ``yes`` when pushes load by the workers' load plan, bitwise as the loader, else the
+    path they load by, ``layerwise``), and the notes: the row's own, then every error.
 
     Examples:
         >>> row = {"family": "qwen3", "architecture": "Qwen3ForCausalLM",
         ...        "checks": {"serve": {"ok": True, "gap": 2e-7}}}
         >>> print(render_table([row]).splitlines()[2])
-        | qwen3 | Qwen3ForCausalLM | yes (2e-07) | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |  |
+        | qwen3 | Qwen3ForCausalLM | yes (2e-07) | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a |  |
     """
     headers = ["family", "architecture", *COLUMNS, "notes"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

@@ -67,12 +67,17 @@ def keep_checkpoint_layout() -> bool:
 def loads_in_place(model: torch.nn.Module) -> bool:
     """Whether ``model.load_weights`` alone updates every weight the forward pass reads.
 
-    True on GPU and for CPU models whose every linear kept its checkpoint layout; False
+    True on GPU and for CPU models whose every linear kept its checkpoint layout (LoRA
+    wrappers included: their base layers hold the weights); False
     when any CPU linear holds a packed copy (then only vLLM's reload re-derives it), the
     model has fused MoE layers (their kernels keep the experts in a layout of their own)
     or it is quantized.
     """
     for module in model.modules():
+        if isinstance(getattr(module, "base_layer", None), torch.nn.Module):
+            # A LoRA wrapper: its GEMM is its base layer's (which it shows as its own
+            # attributes), checked as a module of its own.
+            continue
         if module_packs_weights(module) and not getattr(module, _PLAIN_FLAG, False):
             return False
         if module_has_experts(module) or module_is_quantized(module):

@@ -7,7 +7,7 @@ missing, extra, wrongly shaped or non-finite parameters.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -60,23 +60,54 @@ def device_checksum(t: torch.Tensor) -> int:
     """:func:`checksum`, computed where ``t`` lives (a GPU bucket is summed on its GPU: one
     8-byte answer crosses to the host, not the bucket).
 
-    The words are summed as int64: two's-complement sums wrap like uint64 ones, so the
-    result mod 2**64 is the same.
-
     Examples:
         >>> t = torch.arange(11, dtype=torch.uint8)
         >>> device_checksum(t) == checksum(t)
         True
     """
-    raw = t.detach().contiguous().view(-1).view(torch.uint8)
-    n = raw.numel()
-    whole = n - n % 8
-    total = int(raw[:whole].view(torch.int64).sum().item()) if whole else 0
-    if n % 8:
-        tail = torch.zeros(8, dtype=torch.uint8, device=raw.device)
-        tail[: n % 8] = raw[whole:]
-        total += int(tail.view(torch.int64).item())
-    return (total + n) % (1 << 64)
+    return device_checksums([t])[0]
+
+
+def device_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """:func:`checksum` of each tensor, each summed where it lives, read back with one host
+    sync per device (not one per tensor: a push's buckets or tensors are checked at
+    memory speed).
+
+    The words are summed as int64: two's-complement sums wrap like uint64 ones, so the
+    result mod 2**64 is the same.
+
+    Examples:
+        >>> ts = [torch.arange(11, dtype=torch.uint8), torch.ones(3)]
+        >>> device_checksums(ts) == [checksum(t) for t in ts]
+        True
+    """
+    totals, sizes = [], []
+    for t in tensors:
+        raw = t.detach().contiguous().view(-1).view(torch.uint8)
+        n = raw.numel()
+        whole = n - n % 8
+        total = (
+            raw[:whole].view(torch.int64).sum() if whole else raw.new_zeros((), dtype=torch.int64)
+        )
+        if n % 8:
+            tail = torch.zeros(8, dtype=torch.uint8, device=raw.device)
+            tail[: n % 8] = raw[whole:]
+            total = total + tail.view(torch.int64)[0]
+        totals.append(total)
+        sizes.append(n)
+    out: list[int] = [0] * len(totals)
+    for indices in _by_device(totals).values():
+        values = torch.stack([totals[i] for i in indices]).tolist()
+        for i, v in zip(indices, values, strict=True):
+            out[i] = (int(v) + sizes[i]) % (1 << 64)
+    return out
+
+
+def _by_device(tensors: Sequence[torch.Tensor]) -> dict[torch.device, list[int]]:
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    return groups
 
 
 def expected_specs(model_dir: str | Path) -> dict[str, TensorSpec]:
@@ -176,9 +207,9 @@ def validate(
             )
         if t.dtype not in _DTYPES.values():
             raise WeightSyncError(f"parameter {name!r} has dtype {t.dtype}; use a floating dtype.")
-        if check_finite:
-            require_finite(name, t)
         out[name] = t
+    if check_finite:
+        require_all_finite(out)
     return out
 
 
@@ -191,3 +222,28 @@ def require_finite(name: str, t: torch.Tensor) -> None:
             f"parameter {name!r} contains NaN or inf; the push was rejected and the replicas "
             "keep their weights. Check the training step that produced it."
         )
+
+
+def require_all_finite(tensors: Mapping[str, torch.Tensor]) -> None:
+    """:func:`require_finite` of every tensor as batched reductions: one min/max per tensor
+    where it lives and one host sync per device (a GPU push is not synchronised once per
+    tensor); the error names the first tensor, in order, that holds NaN or inf.
+
+    Examples:
+        >>> require_all_finite({"a": torch.ones(2), "b": torch.zeros(3)})
+        >>> require_all_finite({"a": torch.ones(2), "b": torch.tensor([1.0, float("nan")])})
+        Traceback (most recent call last):
+        ...
+        torchrl_vllm_ext.errors.WeightSyncError: parameter 'b' contains NaN or inf; ...
+    """
+    names = [n for n, t in tensors.items() if t.numel()]
+    # min and max are finite iff every element is (NaN propagates)
+    flags = [torch.isfinite(torch.stack(torch.aminmax(tensors[n]))).all() for n in names]
+    bad: set[str] = set()
+    for indices in _by_device(flags).values():
+        ok = torch.stack([flags[i] for i in indices])
+        if not bool(ok.all()):
+            bad.update(names[i] for i, good in zip(indices, ok.tolist(), strict=True) if not good)
+    for name in names:
+        if name in bad:
+            require_finite(name, tensors[name])  # raises, naming it

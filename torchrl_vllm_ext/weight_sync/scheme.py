@@ -70,11 +70,14 @@ class SyncReport:
     seconds: float
     """From ``push`` to every replica serving the new version."""
     pause_s: dict[int, float] = field(default_factory=dict)
-    """Per replica: how long generation was paused."""
+    """Per replica: how long generation was paused, as the replica's actor measures it
+    (from sending the pause-and-load call to the answer of the label-and-resume call:
+    the engine's own pause lies within it)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds per phase. Storage: validate, write (copy, finiteness and checksums in one
     pass), stage (replicas checksum the slot), apply (pause, load, resume), load (the
-    slowest replica's load inside its pause). Broadcast: validate, pack, send (workers
+    slowest replica's pause-and-load call, from its send to its answer). Broadcast:
+    validate, pack, send (workers
     receive and verify while generating), apply, load. Both, on a verified push:
     reference (the trainer's probe log-probs, beside prepare), verify (every replica's
     probe, after its pause)."""
@@ -93,10 +96,27 @@ class SyncReport:
     probe_noise: float | None = None
     """Mean |served dtype - float32| log-prob over the probe, both computed by the trainer
     with the pushed weights (0 for float32 replicas; None: not verified)."""
+    loads: dict[int, list[dict]] = field(default_factory=dict)
+    """Per replica, per worker: how it loaded (``path``: ``replay`` of its load plan,
+    ``trace`` on the first push of a layout, ``loader``, or ``layerwise`` for MoE /
+    quantized / CPU-packed models; ``nbytes``, ``replayed_bytes``, ``why``:
+    :class:`~torchrl_vllm_ext.weight_sync.transports.planned_load.LoadReport`)."""
 
     @property
     def gb_per_s(self) -> float:
         return self.nbytes / self.seconds / 1e9
+
+    @property
+    def replayed_bytes(self) -> int:
+        """Bytes every replica's workers loaded by their plan's replay (one batched copy),
+        summed over replicas and workers."""
+        return sum(w.get("replayed_bytes", 0) for ws in self.loads.values() for w in ws)
+
+    @property
+    def replayed_share(self) -> float | None:
+        """The share of the loaded bytes that replayed (None: no worker reported)."""
+        total = sum(w.get("nbytes", 0) for ws in self.loads.values() for w in ws)
+        return self.replayed_bytes / total if total else None
 
 
 def choose_transport(service, requested: str, shared_dir) -> tuple[str, str]:
@@ -327,6 +347,7 @@ class WeightSyncScheme:
         pauses = {rid: t["pause_s"] for rid, t in loads.results.items()}
         gaps = {rid: t["probe_gap"] for rid, t in loads.results.items() if "probe_gap" in t}
         deferred = sorted(arrival.deferred[2]) if arrival.deferred else []
+        reports = {rid: list(t.get("loads", [])) for rid, t in loads.results.items()}
         return SyncReport(
             version,
             transport.label,
@@ -339,6 +360,7 @@ class WeightSyncScheme:
             deferred,
             probe_limit=arrival.limit(expected) if expected is not None else None,
             probe_noise=expected.noise if expected is not None else None,
+            loads=reports,
         )
 
     def _checkpoint_named(self, source: PushSource) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from torchrl_vllm_ext import _compat
 from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT
 from torchrl_vllm_ext.engine import placement
 from torchrl_vllm_ext.errors import InsufficientResourcesError
-from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV, TEST_SKIP_LOAD_ENV
+from torchrl_vllm_ext.protocol import LOAD_PLAN_ENV, PACKED_WEIGHTS_ENV, TEST_SKIP_LOAD_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -308,9 +308,12 @@ def process_env(res: ReplicaResources, config) -> dict[str, str | None]:
       the model loads (the worker extension keeps CPU weights in checkpoint layout unless it is set).
 
     On GPU, vLLM's defaults (Ray sets OMP_NUM_THREADS for its workers: unset it).
+    On both, ``TORCHRL_VLLM_LOAD_PLAN`` (:data:`~torchrl_vllm_ext.protocol.LOAD_PLAN_ENV`)
+    reaches the workers when the driver sets it.
     """
+    passed = {LOAD_PLAN_ENV: os.environ[LOAD_PLAN_ENV]} if LOAD_PLAN_ENV in os.environ else {}
     if res.use_gpu:
-        return {"OMP_NUM_THREADS": None}
+        return {"OMP_NUM_THREADS": None, **passed}
     node_cpus = max(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
     if res.cpus >= node_cpus:
         threads = max(1, math.floor(node_cpus) - 1)
@@ -324,7 +327,7 @@ def process_env(res: ReplicaResources, config) -> dict[str, str | None]:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # AsyncLLM keeps its engine-core process
     if TEST_SKIP_LOAD_ENV in os.environ:  # a test's broken load (protocol.TEST_SKIP_LOAD_ENV)
         env[TEST_SKIP_LOAD_ENV] = os.environ[TEST_SKIP_LOAD_ENV]
-    return env
+    return {**env, **passed}
 
 
 def in_process_engine(res: ReplicaResources, config) -> bool:

@@ -490,8 +490,12 @@ class VLLMReplica:
                 f"collective_rpc takes the name of a worker method, not {method!r}; callables "
                 "are refused (vLLM sends them only when VLLM_ALLOW_INSECURE_SERIALIZATION is on)."
             )
+        return await self._worker_call(method, engine.collective_rpc(method, tuple(args), kwargs))
+
+    async def _worker_call(self, method: str, call):
+        """Await ``call`` (a call of worker ``method``), its failures as typed errors."""
         try:
-            return await engine.collective_rpc(method, tuple(args), kwargs)
+            return await call
         except engine_dead_errors() as e:
             raise ReplicaDeadError(f"replica {self.replica_id}: the vLLM engine died: {e}") from e
         except Exception as e:
@@ -517,16 +521,20 @@ class VLLMReplica:
     async def update_weights(self, method: str, args: tuple, version: str, pause_mode: str) -> dict:
         """One weight update, as a short sequence of named steps; returns their timings.
 
-        1) pause generation (``abort`` / ``wait`` / ``keep``), 2) receive or load through
-        the worker extension's ``method``, 3) verify every worker reports ``version``,
-        4) set the weight version and drop the prefix cache, 5) resume. Generation
-        resumes even when a step fails; transports verify before they load, so a
-        failed update leaves the previous weights serving.
+        1) pause generation (``abort`` / ``wait`` / ``keep``) and 2) load through the worker
+        extension's ``method``, in one call to the engine (:meth:`Engine.update_call`: one
+        round trip, except after a ``wait`` pause, which drains first), 3) verify every
+        worker reports ``version``, 4) set the weight version, drop the prefix cache and
+        5) resume, again in one call (:meth:`Engine.finish_update`). Generation resumes
+        even when a step fails; transports verify before they load, so a failed update
+        leaves the previous weights serving.
 
         A replica the service paused, or whose KV cache sleeps, is loaded as it is and
         stays so (no pause, no resume; ``probe_now`` False: the value check waits until
         it serves); one whose weights sleep refuses the update
-        (:func:`~torchrl_vllm_ext.engine.serving.update_steps`).
+        (:func:`~torchrl_vllm_ext.engine.serving.update_steps`). ``pause_s`` spans the
+        first call's send to the second's answer: generation is paused within it.
+        A worker may report a dict (``version`` and how it loaded): the ``loads`` entry.
         """
         engine = self._require_engine()
         steps = update_steps(self._state, self.replica_id, version)
@@ -534,13 +542,15 @@ class VLLMReplica:
         # runs until the resume: no second reset after the load.
         cleared = steps.pause and pause_mode != "keep"
         t0 = time.perf_counter()
-        if steps.pause:  # 1) pause
-            await engine.pause(pause_mode, clear_cache=cleared)
-        t1 = time.perf_counter()
-        intact = True
+        intact, finished = True, False
         try:
-            try:
-                reported = await self.collective_rpc(method, tuple(args))  # 2) load
+            try:  # 1) pause + 2) load
+                reported = await self._worker_call(
+                    method,
+                    engine.update_call(
+                        method, tuple(args), pause_mode if steps.pause else None, cleared
+                    ),
+                )
             except WeightSyncError as e:
                 intact = await self._weights_intact()
                 if not intact:
@@ -550,29 +560,30 @@ class VLLMReplica:
                         "restarted, as it serves weights nobody pushed."
                     ) from e
                 raise
-            t2 = time.perf_counter()
-            if any(str(v) != str(version) for v in reported):  # 3) verify
+            t1 = time.perf_counter()
+            loads = [r for r in reported if isinstance(r, dict)]
+            versions = [r.get("version") if isinstance(r, dict) else r for r in reported]
+            if any(str(v) != str(version) for v in versions):  # 3) verify
                 raise WeightSyncError(
-                    f"replica {self.replica_id}: workers loaded versions {reported}, expected {version!r}."
+                    f"replica {self.replica_id}: workers loaded versions {versions}, expected {version!r}."
                 )
             if pause_mode == "keep" and self._inflight:
                 # Kept requests go on with the new weights from here: note where.
                 progress = await engine.tokens_so_far(list(self._inflight))
                 self._end_version_from.update(progress)
-            await self.set_weight_version(version)  # 4) version + cache
-            if cleared:
-                self._cache_epoch += 1
-            else:
-                await self.reset_prefix_cache()
+            self._cache_epoch += 1  # 4) version + cache, 5) resume
+            finished = True
+            await engine.finish_update(version, reset_cache=not cleared, resume=steps.pause)
+            self._version = str(version)
         finally:
-            if steps.pause and intact:
-                await engine.resume()  # 5) resume
-        t3 = time.perf_counter()
+            if steps.pause and intact and not finished:
+                await engine.resume()  # 5) resume after a failed step
+        t2 = time.perf_counter()
         return {
-            "pause_s": t3 - t0 if steps.pause else 0.0,
-            "pausing_s": t1 - t0,
-            "load_s": t2 - t1,
+            "pause_s": t2 - t0 if steps.pause else 0.0,
+            "load_s": t1 - t0,
             "probe_now": steps.probe_now,
+            "loads": loads,
         }
 
     async def _weights_intact(self) -> bool:

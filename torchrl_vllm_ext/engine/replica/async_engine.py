@@ -19,6 +19,7 @@ from torchrl_vllm_ext._compat import (
     async_pause,
     engine_limits,
     keeps_weight_version,
+    pause_then,
     retryable_errors,
     tokens_so_far,
     vllm_engine_api,
@@ -126,6 +127,35 @@ class AsyncEngine(Engine):
         await self._llm.resume_generation()
         self._resumed.set()
 
+    async def update_call(
+        self, method: str, args: tuple, pause_mode: PauseMode | None, clear_cache: bool
+    ) -> list:
+        """The engine core's pause and the workers' call sent back to back (one round trip);
+        a ``wait`` pause drains first."""
+        if pause_mode not in ("abort", "keep"):
+            return await super().update_call(method, args, pause_mode, clear_cache)
+        self._resumed.clear()
+        return await pause_then(
+            self._llm, pause_mode, clear_cache, lambda: self.collective_rpc(method, args)
+        )
+
+    async def finish_update(self, version: str, reset_cache: bool, resume: bool) -> None:
+        """The label, the prefix-cache reset and the resume sent back to back (one round
+        trip: the engine core handles them in order)."""
+        self._version = version
+        calls = []
+        if self._labels:
+            calls.append(lambda: self._llm.update_weight_version(version))
+        if reset_cache:
+            calls.append(self._llm.reset_prefix_cache)
+        if resume:
+            calls.append(self._llm.resume_generation)
+        try:
+            await in_order(calls)
+        finally:
+            if resume:
+                self._resumed.set()
+
     async def sleep(self, level: int, mode: PauseMode) -> None:
         await self._llm.sleep(level, mode)
 
@@ -167,3 +197,18 @@ class AsyncEngine(Engine):
 
     def shutdown(self) -> None:
         self._llm.shutdown()
+
+
+async def in_order(calls) -> list:
+    """Run coroutine functions that each send one engine-core request, every request sent
+    before any answer is awaited, in the given order (each task runs to its send before
+    the next starts; see :func:`~torchrl_vllm_ext._compat.pause_then`); their results."""
+    tasks = []
+    for call in calls:
+        tasks.append(asyncio.ensure_future(call()))
+        await asyncio.sleep(0)  # this request leaves before the next one
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return list(results)

@@ -94,6 +94,29 @@ class Engine(abc.ABC):
     async def resume(self) -> None:
         """Resume scheduling after :meth:`pause`."""
 
+    async def update_call(
+        self, method: str, args: tuple, pause_mode: PauseMode | None, clear_cache: bool
+    ) -> list:
+        """A weight update's first step: pause (``pause_mode``; None: stay as the engine is)
+        and call ``method`` on every worker; one result per worker. Engines that can send
+        both at once override it (one round trip to the engine for ``abort`` / ``keep``);
+        a ``wait`` pause drains first."""
+        if pause_mode is not None:
+            await self.pause(pause_mode, clear_cache)
+        return await self.collective_rpc(method, args)
+
+    async def finish_update(self, version: str, reset_cache: bool, resume: bool) -> None:
+        """A weight update's last step: label the weights ``version``, drop the prefix
+        cache (``reset_cache``) and :meth:`resume` (``resume``); one round trip to the
+        engine where it can take them at once (overrides). Resumes even if a step fails."""
+        try:
+            await self.set_weight_version(version)
+            if reset_cache:
+                await self.reset_prefix_cache()
+        finally:
+            if resume:
+                await self.resume()
+
     async def sleep(self, level: int, mode: PauseMode) -> None:
         """Free accelerator memory (vLLM sleep mode): level 1 offloads the weights to host
         memory and drops the KV cache; level 2 drops both (push weights after waking)."""

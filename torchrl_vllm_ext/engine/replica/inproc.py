@@ -35,6 +35,7 @@ from torchrl_vllm_ext._compat import (
     tokens_so_far,
 )
 from torchrl_vllm_ext.engine.replica.engine import Engine
+from torchrl_vllm_ext.engine.serving import check_pause_mode
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,39 @@ class InprocEngine(Engine):
 
     async def resume(self) -> None:
         await self._call(self._resume)
+
+    async def update_call(
+        self, method: str, args: tuple, pause_mode: PauseMode | None, clear_cache: bool
+    ) -> list:
+        """Pause, clear the caches and call the workers in one call of the engine thread
+        (between two steps); a ``wait`` pause drains first (the default's two calls)."""
+        if pause_mode == "wait":
+            return await super().update_call(method, args, pause_mode, clear_cache)
+        if pause_mode is not None:
+            check_pause_mode(pause_mode)
+
+        def pause_and_call():
+            if pause_mode is not None:
+                self._pause_steps(pause_mode, None)
+                if clear_cache:
+                    self._clear_caches()
+            return self._engine.collective_rpc(method, args=args)
+
+        return await self._call(pause_and_call)
+
+    async def finish_update(self, version: str, reset_cache: bool, resume: bool) -> None:
+        """Label, reset the prefix cache and resume in one call of the engine thread."""
+
+        def label_and_resume():
+            try:
+                self._engine.set_weight_version(version)
+                if reset_cache:
+                    self._engine.reset_prefix_cache()
+            finally:
+                if resume:
+                    self._resume()
+
+        await self._call(label_and_resume)
 
     async def set_weight_version(self, version: str) -> None:
         await self._call(lambda: self._engine.set_weight_version(version))

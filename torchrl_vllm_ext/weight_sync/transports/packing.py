@@ -8,11 +8,12 @@ the tensors back as views (:func:`unpack`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from torchrl_vllm_ext.weight_sync.params import device_checksum, dtype_name, torch_dtype
+from torchrl_vllm_ext.weight_sync.params import device_checksums, dtype_name, torch_dtype
 from torchrl_vllm_ext.weight_sync.specs import BucketSpec, TensorSpec, UpdateHeader
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -45,12 +46,10 @@ class Packed:
         }
 
 
-def pack(
-    tensors: dict[str, torch.Tensor], version: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES
-) -> Packed:
-    """Pack same-dtype tensors end to end into buckets of about ``bucket_bytes``, on the
-    tensors' device. A tensor larger than ``bucket_bytes`` gets a bucket of its own.
-    """
+def _groups(
+    tensors: dict[str, torch.Tensor], bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Same-dtype tensors in order, cut into groups of about ``bucket_bytes``."""
     by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for name, t in tensors.items():
         by_dtype.setdefault(t.dtype, []).append((name, t))
@@ -66,19 +65,122 @@ def pack(
             size += nbytes
         if current:
             groups.append(current)
-    specs, buffers = [], []
-    for group in groups:
-        buf = torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in group])
-        specs.append(
-            BucketSpec(
-                dtype=dtype_name(group[0][1].dtype),
-                tensors=tuple(TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in group),
-                nbytes=buf.numel(),
-                checksum=device_checksum(buf),
-            )
+    return groups
+
+
+def _fits(into: Packed, groups, device: torch.device) -> bool:
+    """Whether ``into``'s buckets hold exactly ``groups`` (names, dtypes, shapes, device)."""
+    if len(into.header.buckets) != len(groups) or into.buffers[0].device != device:
+        return False
+    return all(
+        bucket.tensors
+        == tuple(TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in group)
+        for bucket, group in zip(into.header.buckets, groups, strict=True)
+    )
+
+
+def pack(
+    tensors: dict[str, torch.Tensor],
+    version: str,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    into: Packed | None = None,
+) -> Packed:
+    """Pack same-dtype tensors end to end into buckets of about ``bucket_bytes``, on the
+    tensors' device. A tensor larger than ``bucket_bytes`` gets a bucket of its own.
+
+    ``into``: buckets of an earlier push to re-pack in place when they hold the same
+    layout (one batched copy; the result shares ``into.buffers``), else new buffers. The
+    checksums are batched (one host sync per device).
+
+    Examples:
+        >>> a = pack({"w": torch.ones(2), "b": torch.zeros(3)}, "1")
+        >>> b = pack({"w": torch.full((2,), 2.0), "b": torch.zeros(3)}, "2", into=a)
+        >>> b.buffers is a.buffers, b.tensors()["w"].tolist(), b.version
+        (True, [2.0, 2.0], '2')
+    """
+    groups = _groups(tensors, bucket_bytes)
+    if not groups:
+        return Packed(UpdateHeader(version=str(version), buckets=()), [])
+    device = groups[0][0][1].device
+    if into is not None and into.buffers and _fits(into, groups, device):
+        buffers = into.buffers
+        dsts = [t for _, t in into.tensors().items()]
+        torch._foreach_copy_(dsts, [t for group in groups for _, t in group])
+    else:
+        buffers = [
+            torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in group])
+            for group in groups
+        ]
+    sums = device_checksums(buffers)
+    specs = tuple(
+        BucketSpec(
+            dtype=dtype_name(group[0][1].dtype),
+            tensors=tuple(TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in group),
+            nbytes=buf.numel(),
+            checksum=sum_,
         )
-        buffers.append(buf)
-    return Packed(UpdateHeader(version=str(version), buckets=tuple(specs)), buffers)
+        for group, buf, sum_ in zip(groups, buffers, sums, strict=True)
+    )
+    return Packed(UpdateHeader(version=str(version), buckets=specs), buffers)
+
+
+class PackSlots:
+    """Two sets of packed buckets, A and B, re-packed in place push after push: the set of
+    the committed version stays intact (restarted replicas are brought up from it) while
+    the other takes the next push. Same buffers every push: CUDA IPC receivers keep their
+    mappings and no new handles are opened. A new layout allocates anew.
+
+    Where memory does not allow two sets (:func:`keeps_spare`), the spare is dropped at
+    :meth:`settle` and the next push allocates one (as every push did before).
+
+    Examples:
+        >>> slots = PackSlots()
+        >>> a = slots.pack({"w": torch.ones(2)}, "1", committed=None)
+        >>> b = slots.pack({"w": torch.ones(2)}, "2", committed=a)  # a is live: another set
+        >>> c = slots.pack({"w": torch.ones(2)}, "3", committed=b)  # a's buffers again
+        >>> b.buffers is a.buffers, c.buffers is a.buffers
+        (False, True)
+    """
+
+    def __init__(self, keep_spare: Callable[[int, torch.device], bool] | None = None):
+        self._sets: list[Packed] = []
+        self._keep_spare = keep_spare or keeps_spare
+
+    def pack(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: str,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        committed: Packed | None = None,
+    ) -> Packed:
+        """``tensors`` packed into a set that is not ``committed``'s (reused if it fits)."""
+        live = [p for p in self._sets if committed is not None and p.buffers is committed.buffers]
+        spare = next((p for p in self._sets if not any(p is q for q in live)), None)
+        packed = pack(tensors, version, bucket_bytes, into=spare)
+        self._sets = [*live, packed]
+        return packed
+
+    def settle(self, committed: Packed | None) -> None:
+        """After a commit: keep the spare set only where memory allows."""
+        if committed is None or not committed.buffers:
+            return
+        if not self._keep_spare(committed.nbytes, committed.buffers[0].device):
+            self._sets = [p for p in self._sets if p.buffers is committed.buffers]
+
+    def clear(self) -> None:
+        self._sets = []
+
+
+def keeps_spare(nbytes: int, device: torch.device) -> bool:
+    """Whether a second set of ``nbytes`` of buckets may stay allocated on ``device``
+    between pushes: always in host memory; on a GPU when it keeps the staging headroom
+    free (:func:`.staging.headroom`: the trainer trains there)."""
+    if device.type != "cuda":
+        return True
+    from torchrl_vllm_ext.weight_sync.transports.staging import headroom
+
+    free, total = torch.cuda.mem_get_info(device)
+    return free >= headroom(total)
 
 
 def unpack(bucket: BucketSpec, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

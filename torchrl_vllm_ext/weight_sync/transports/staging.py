@@ -1,40 +1,132 @@
-"""Where a GPU worker stages an incoming version before its pause: on the device when the
-GPU has room beside vLLM's share, else in pinned host memory (a DMA copy in the pause,
-~20 ms per GB, instead of a device copy, ~1 ms). Plain functions: the worker asks
-``torch.cuda.mem_get_info`` and follows :func:`staging_place`.
+"""Where a GPU worker stages an incoming version before its pause, and the buffer it stages
+in: on the device when the GPU has room beside vLLM's share (the pause is then a device
+copy, ~1 ms per GB), else in pinned host memory (one batched non-blocking host-to-device
+copy in the pause, ~20 ms per GB). Plain logic: the worker asks
+``torch.cuda.mem_get_info`` and follows :func:`staging_place`; :class:`StagingArea` is the
+buffer (unit-tested on CPU).
 
 vLLM takes ``gpu_memory_utilization`` of the GPU at start (weights, activations, KV
-cache); staging buffers come out of the rest, which a colocated trainer also uses. So a
-worker stages on the device only if the GPU keeps :func:`headroom` free afterwards, and
-keeps its staging buffers from push to push (allocated once: the memory is reserved,
-not re-taken at every push). The report says where each replica staged.
+cache); staging comes out of the rest, which a colocated trainer also uses. So a worker
+stages on the device only if the GPU keeps :func:`headroom` free afterwards. The staging
+buffer is **reserved at the first sync and kept** from push to push (one flat buffer per
+layout: the memory is taken once, not at every push); the worker logs where and how much
+when it reserves it.
+
+**Sleep mode**: a replica started with ``enable_sleep_mode`` gives its GPU memory back while
+it sleeps (vLLM frees or offloads only what its own allocator holds, never a buffer of
+ours), so its staging buffer is reserved in pinned host memory, never on the GPU: its
+pause is the pinned copy. (Before, such replicas staged on the device and freed the buffer
+after every load, so each push allocated it again.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Literal
+
+import torch
 
 Place = Literal["device", "pinned"]
 
 GIB = 1 << 30
+ALIGN = 256
+"""Byte alignment of each tensor in the staging buffer (what CUDA's allocator gives)."""
 
 
 def headroom(total_bytes: int) -> int:
-    """GPU memory a staging buffer must leave free: 1 GiB or 5% of the GPU, the larger."""
-    return max(GIB, total_bytes // 20)
+    """GPU memory a staging buffer must leave free: 1 GiB or 2% of the GPU, the larger
+    (5% refused device staging on an H200 with room for it: 7 GB besides 1.2 GB)."""
+    return max(GIB, total_bytes // 50)
 
 
-def staging_place(nbytes: int, free_bytes: int, total_bytes: int, held_bytes: int = 0) -> Place:
+def staging_place(
+    nbytes: int, free_bytes: int, total_bytes: int, held_bytes: int = 0, sleep_mode: bool = False
+) -> Place:
     """``device`` if ``nbytes`` of staging fit on the GPU with :func:`headroom` to spare
-    (``held_bytes``: staging buffers this worker holds already, reused), else ``pinned``.
+    (``held_bytes``: a device staging buffer this worker holds already, reused), else
+    ``pinned``; always ``pinned`` for a replica with ``sleep_mode`` (module docstring).
 
     Examples:
-        >>> staging_place(1_200_000_000, free_bytes=8 * GIB, total_bytes=80 * GIB)
+        >>> staging_place(1_200_000_000, free_bytes=8 * GIB, total_bytes=140 * GIB)
         'device'
-        >>> staging_place(1_200_000_000, free_bytes=4 * GIB, total_bytes=80 * GIB)
+        >>> staging_place(1_200_000_000, free_bytes=2 * GIB, total_bytes=80 * GIB)
         'pinned'
-        >>> staging_place(1_200_000_000, 4 * GIB, 80 * GIB, held_bytes=1_200_000_000)
+        >>> staging_place(1_200_000_000, 2 * GIB, 80 * GIB, held_bytes=1_200_000_000)
         'device'
+        >>> staging_place(1_200_000_000, 60 * GIB, 80 * GIB, sleep_mode=True)
+        'pinned'
     """
+    if sleep_mode:
+        return "pinned"
     need = max(0, nbytes - held_bytes)
     return "device" if need + headroom(total_bytes) <= free_bytes else "pinned"
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class StagingArea:
+    """One flat buffer holding every tensor of a push, reserved once per layout and place
+    and kept: :meth:`reserve`, then :meth:`fill` at each push.
+
+    Examples:
+        >>> area = StagingArea()
+        >>> specs = [("a", (2, 3), torch.float32), ("b", (4,), torch.bfloat16)]
+        >>> area.reserve(specs, "device", torch.device("cpu"))  # newly reserved
+        True
+        >>> area.reserve(specs, "device", torch.device("cpu"))  # kept
+        False
+        >>> staged = area.fill({"a": torch.ones(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)})
+        >>> [(n, tuple(t.shape)) for n, t in staged], area.nbytes
+        ([('a', (2, 3)), ('b', (4,))], 512)
+    """
+
+    def __init__(self):
+        self.place: Place | None = None
+        self.key: tuple | None = None
+        self.buffer: torch.Tensor | None = None
+        self.views: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes reserved (0: none)."""
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def device_bytes(self) -> int:
+        """Bytes reserved on the GPU (what a new reservation there may reuse)."""
+        return self.nbytes if self.place == "device" else 0
+
+    def reserve(
+        self, specs: Sequence[tuple[str, tuple, torch.dtype]], place: Place, device: torch.device
+    ) -> bool:
+        """Hold a buffer for ``specs`` (name, shape, dtype) in ``place`` (``device``: on
+        ``device``; ``pinned``: page-locked host memory); True when it was (re)allocated,
+        False when the one held already fits this layout."""
+        key = (tuple((n, tuple(s), d) for n, s, d in specs), place, device)
+        if key == self.key:
+            return False
+        self.release()  # the old layout's buffer goes first: never two at once
+        sizes = [_aligned(torch.Size(s).numel() * d.itemsize) for _, s, d in specs]
+        on = device if place == "device" else torch.device("cpu")
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=on, pin_memory=place == "pinned")
+        views, offset = {}, 0
+        for (name, shape, dtype), size in zip(specs, sizes, strict=True):
+            n = torch.Size(shape).numel() * dtype.itemsize
+            views[name] = buffer[offset : offset + n].view(dtype).view(shape)
+            offset += size
+        self.buffer, self.views, self.place, self.key = buffer, views, place, key
+        return True
+
+    def fill(
+        self, tensors: Mapping[str, torch.Tensor], non_blocking: bool = False
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Copy ``tensors`` into their reserved views (one batched copy); the staged views."""
+        names = list(tensors)
+        dsts = [self.views[n] for n in names]
+        torch._foreach_copy_(dsts, [tensors[n] for n in names], non_blocking=non_blocking)
+        return list(zip(names, dsts, strict=True))
+
+    def release(self) -> None:
+        """Drop the buffer (its memory is freed once no staged view is in use)."""
+        self.buffer, self.views, self.place, self.key = None, {}, None, None

@@ -35,7 +35,7 @@ from torchrl_vllm_ext.weight_sync.transports.auto.plan import (
     plan_routes,
 )
 from torchrl_vllm_ext.weight_sync.transports.devices import device_uuid, normalise_uuid
-from torchrl_vllm_ext.weight_sync.transports.packing import Packed, pack
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Replicas,
     Transport,
@@ -79,6 +79,7 @@ class PlannedTransport(Transport):
         self._used: list[Transport] = []
         self._packed: Packed | None = None  # the push in flight
         self._committed: Packed | None = None  # the live version, for restarted replicas
+        self._slots = PackSlots()  # two sets of buckets, re-packed in place (IPC mappings stay)
 
     @property
     def label(self) -> str:
@@ -138,7 +139,9 @@ class PlannedTransport(Transport):
         if self._packed is None:
             t0 = time.perf_counter()
             bucket_bytes = self.options.bucket_bytes
-            self._packed = await asyncio.to_thread(pack, tensors, version, bucket_bytes)
+            self._packed = await asyncio.to_thread(
+                self._slots.pack, tensors, version, bucket_bytes, self._committed
+            )
             phases["pack"] = time.perf_counter() - t0
         return self._packed
 
@@ -147,6 +150,7 @@ class PlannedTransport(Transport):
             await sub.commit(version)
         if self._packed is not None:
             self._committed = self._packed
+            self._slots.settle(self._committed)
         self._packed = None
 
     async def rollback(self, version: str) -> None:
@@ -197,3 +201,4 @@ class PlannedTransport(Transport):
             sub.close()
         self._subs.clear()
         self._committed = self._packed = None
+        self._slots.clear()

@@ -9,7 +9,7 @@ import logging
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.params import device_checksum
+from torchrl_vllm_ext.weight_sync.params import device_checksums
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import make_process_group
 from torchrl_vllm_ext.weight_sync.transports.packing import unpack
@@ -59,8 +59,9 @@ class BroadcastReceiver:
                 "this worker is not in a broadcast group; call init_weight_broadcast first."
             )
         received = []
-        for bucket in header.buckets:
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self._tvllm_device)
+        kept = self.__dict__.setdefault("_tvllm_receive_buffers", [])
+        for i, bucket in enumerate(header.buckets):
+            buf = _buffer(kept, i, bucket.nbytes, self._tvllm_device)
             try:
                 group[1].broadcast(buf, 0).wait()
             except Exception as e:  # the trainer died or stalled past the group's timeout
@@ -76,8 +77,9 @@ class BroadcastReceiver:
                 logger.error("%s", error)
                 raise error from e
             received.append((bucket, buf))
-        for i, (bucket, buf) in enumerate(received):
-            got = device_checksum(buf)  # on the GPU for NCCL: no copy to the host
+        # on the GPU for NCCL (no copy to the host), one sync for all buckets
+        sums = device_checksums([buf for _, buf in received])
+        for i, ((bucket, _), got) in enumerate(zip(received, sums, strict=True)):
             if got != bucket.checksum:
                 raise WeightSyncError(
                     f"bucket {i} of version {header.version} arrived corrupted (checksum {got} != "
@@ -89,4 +91,19 @@ class BroadcastReceiver:
     def close_weight_broadcast(self) -> bool:
         group = getattr(self, "_tvllm_group", None)
         self._tvllm_group = None
+        self.__dict__.pop("_tvllm_receive_buffers", None)
         return group is not None
+
+
+def _buffer(kept: list[torch.Tensor], i: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """The receive buffer of bucket ``i``: the one kept from the last push when it has the
+    size and device, else a new one (kept in its place). The load in the pause is done
+    with it before the next push receives."""
+    if i < len(kept) and kept[i].numel() == nbytes and kept[i].device == device:
+        return kept[i]
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if i < len(kept):
+        kept[i] = buf
+    else:
+        kept.append(buf)
+    return buf

@@ -6,7 +6,7 @@ replica worker (NCCL on GPU, gloo on CPU; see :mod:`.collective`). Its receiver:
 changed; 3) one header per replica (``stage_weight_broadcast``): its workers receive and
 verify the buckets in a background thread while still generating; 4) one collective per
 bucket while 5) every replica is polled until each of its workers has verified. In the
-pause the workers only load (``load_staged_weights``). A collective cannot lose a
+pause the workers only load (``apply_staged_weights``). A collective cannot lose a
 member: a replica that dies during a push, or leaves a poll unanswered for
 ``deadline.answer_s`` (frozen), is killed and restarted by the pool, and the push fails
 naming it; the group is formed again on the next push. Every wait has a deadline
@@ -27,7 +27,7 @@ from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import WorkerMethods
 from torchrl_vllm_ext.weight_sync.specs import to_json
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup, listen
-from torchrl_vllm_ext.weight_sync.transports.packing import Packed, pack
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     STAGED_POLL_S,
     Outcomes,
@@ -72,6 +72,7 @@ class BroadcastTransport(Transport):
         self._members: tuple = ()
         self._staged: Packed | None = None
         self._committed: Packed | None = None  # for restarts
+        self._slots = PackSlots()  # the trainer's buckets, re-packed in place push to push
 
     async def prepare(
         self,
@@ -81,9 +82,11 @@ class BroadcastTransport(Transport):
         phases: dict,
         packed: Packed | None = None,
     ) -> dict[int, WorkerCall]:
-        if packed is None:  # 1)
+        if packed is None:  # 1) into the set of buckets the committed version is not in
             t0 = time.perf_counter()
-            packed = await asyncio.to_thread(pack, tensors, version, self.options.bucket_bytes)
+            packed = await asyncio.to_thread(
+                self._slots.pack, tensors, version, self.options.bucket_bytes, self._committed
+            )
             phases["pack"] = time.perf_counter() - t0
         buffers = packed.buffers
         header_json = to_json(packed.header)
@@ -105,7 +108,7 @@ class BroadcastTransport(Transport):
             raise
         self._staged = packed
         phases["send"] = phases.get("send", 0.0) + time.perf_counter() - t1
-        return calls_for(replicas, WorkerCall(WorkerMethods.LOAD_STAGED, (version,)))
+        return calls_for(replicas, WorkerCall(WorkerMethods.APPLY_STAGED, (version,)))
 
     async def _send(self, buffers, replicas: Replicas, version: str, limit: float) -> None:
         """4) Broadcast the buckets (in a thread) while 5) polling every replica until
@@ -177,6 +180,7 @@ class BroadcastTransport(Transport):
 
     async def commit(self, version: str) -> None:
         self._committed, self._staged = self._staged, None
+        self._slots.settle(self._committed)
 
     async def rollback(self, version: str) -> None:
         self._staged = None
@@ -259,3 +263,5 @@ class BroadcastTransport(Transport):
 
     def close(self) -> None:
         self._drop_group()
+        self._slots.clear()
+        self._staged = self._committed = None

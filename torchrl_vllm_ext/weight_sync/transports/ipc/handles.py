@@ -13,6 +13,8 @@ encoding is unit-tested on CPU.
 from __future__ import annotations
 
 import base64
+import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -113,3 +115,91 @@ def open_bucket(handle: CudaIpcHandle) -> torch.Tensor:
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     return rebuild_cuda_tensor(*rebuild_args(handle, local_device_index(handle.gpu)))
+
+
+class SharedBuckets:
+    """The trainer's side: each set of buckets shared once; the same handles for every push
+    re-packed into it (sets are told apart by their first buffer, held weakly).
+
+    Examples:
+        >>> shared, calls = SharedBuckets(), []
+        >>> def fake_share(buf):
+        ...     calls.append(buf)
+        ...     return f"handle-{len(calls)}"
+        >>> buffers = [torch.zeros(4, dtype=torch.uint8)]
+        >>> shared.handles(buffers, fake_share), shared.handles(buffers, fake_share)
+        (('handle-1',), ('handle-1',))
+    """
+
+    def __init__(self):
+        self._sets: dict[int, tuple[weakref.ref, int, tuple]] = {}
+
+    def handles(self, buffers: Sequence[torch.Tensor], share_fn: Callable | None = None) -> tuple:
+        share_fn = share_fn or share
+        self._sets = {k: v for k, v in self._sets.items() if v[0]() is not None}
+        first = buffers[0]
+        known = self._sets.get(id(first))
+        if known is not None and known[0]() is first and known[1] == len(buffers):
+            return known[2]
+        handles = tuple(share_fn(b) for b in buffers)
+        self._sets[id(first)] = (weakref.ref(first), len(buffers), handles)
+        return handles
+
+    def clear(self) -> None:
+        self._sets.clear()
+
+
+def bucket_key(handle: CudaIpcHandle) -> tuple:
+    """What identifies a shared bucket across updates: its GPU, allocation and place in it."""
+    return (
+        handle.gpu,
+        handle.storage_handle,
+        handle.storage_offset_bytes,
+        handle.offset,
+        handle.numel,
+    )
+
+
+class OpenedBuckets:
+    """A worker's side: the trainer's buckets opened once and kept while the trainer keeps
+    sharing them (its two sets, A and B): an update whose handles were opened before maps
+    nothing new. Mappings of buckets in neither of the last two updates are dropped (the
+    trainer's memory is freed once nobody maps it); :meth:`clear` drops them all.
+
+    Examples:
+        >>> opened, count = OpenedBuckets(lambda h: object()), 0
+        >>> h = [CudaIpcHandle("g", 4, 0, "s", f"h{i}", 4, 0, "r", 0, "", False) for i in range(3)]
+        >>> a = opened.open([h[0]]); b = opened.open([h[1]]); again = opened.open([h[0]])
+        >>> again[0] is a[0], opened.opened
+        (True, 2)
+        >>> _ = opened.open([h[2]]); len(opened)  # h[1] is in neither of the last two
+        2
+    """
+
+    def __init__(self, open_fn: Callable[[CudaIpcHandle], torch.Tensor] | None = None):
+        self._open = open_fn or open_bucket
+        self._maps: dict[tuple, torch.Tensor] = {}
+        self._last: tuple[set, set] = (set(), set())
+        self.opened = 0
+        """How many buckets were opened (mapped) so far."""
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def open(self, handles: Sequence[CudaIpcHandle]) -> list[torch.Tensor]:
+        keys = [bucket_key(h) for h in handles]
+        out = []
+        for key, handle in zip(keys, handles, strict=True):
+            if key not in self._maps:
+                self._maps[key] = self._open(handle)
+                self.opened += 1
+            out.append(self._maps[key])
+        current = set(keys)
+        self._last = (self._last[1], current)
+        keep = self._last[0] | current
+        self._maps = {k: v for k, v in self._maps.items() if k in keep}
+        return out
+
+    def clear(self) -> None:
+        self._maps.clear()
+        self._last = (set(), set())

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.params import device_checksum
+from torchrl_vllm_ext.weight_sync.params import device_checksums
 from torchrl_vllm_ext.weight_sync.specs import IpcUpdate, from_json
-from torchrl_vllm_ext.weight_sync.transports.ipc.handles import open_bucket
+from torchrl_vllm_ext.weight_sync.transports.ipc.handles import OpenedBuckets
 from torchrl_vllm_ext.weight_sync.transports.packing import unpack
 
 
@@ -29,13 +29,24 @@ class IpcReceiver:
         self._tvllm_load(self._tvllm_open_ipc(update), update.header.version)
         return update.header.version
 
+    def release_weight_ipc(self) -> bool:
+        """Drop this worker's mappings of the trainer's buckets (its transport closed: the
+        trainer's GPU memory is freed once nobody maps it); whether it held any."""
+        opened = self.__dict__.pop("_tvllm_ipc_buckets", None)
+        if opened is not None:
+            opened.clear()
+        return bool(opened)
+
     def _tvllm_open_ipc(self, update: IpcUpdate) -> list[tuple[str, torch.Tensor]]:
+        # Buckets opened for an earlier update are mapped still: the trainer re-packs
+        # its two sets in place, so most updates open nothing.
+        opened = self.__dict__.setdefault("_tvllm_ipc_buckets", OpenedBuckets())
+        buffers = opened.open(update.handles)
+        sums = device_checksums(buffers)  # on the GPU, one sync for every bucket
         out = []
-        for i, (bucket, handle) in enumerate(
-            zip(update.header.buckets, update.handles, strict=True)
+        for i, (bucket, buf, got) in enumerate(
+            zip(update.header.buckets, buffers, sums, strict=True)
         ):
-            buf = open_bucket(handle)
-            got = device_checksum(buf)
             if got != bucket.checksum:
                 raise WeightSyncError(
                     f"bucket {i} of version {update.header.version} read through CUDA IPC does "

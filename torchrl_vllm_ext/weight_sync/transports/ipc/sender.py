@@ -4,8 +4,14 @@
 2) share each bucket (:func:`.handles.share`) and send every replica one JSON update; its
 workers open the buckets and checksum them on the GPU in a background thread while the
 engine keeps generating; 3) wait until every worker verified. In the pause the workers
-copy from the buckets into their parameters (``load_staged_weights``): a device-to-device
+copy from the buckets into their parameters (``apply_staged_weights``): a device-to-device
 copy. The committed buckets stay alive for restarted replicas (``receive_weight_ipc``).
+
+The buckets are two sets, A and B (:class:`~..packing.PackSlots`), re-packed in place: the
+committed version's set stays intact while the other takes the next push, each set is
+shared once (the same handles in every update), and the workers keep their mappings of
+both (:class:`.handles.OpenedBuckets`), so no push opens new IPC handles; ``close`` has
+them unmap (``release_weight_ipc``).
 
 NCCL refuses two ranks on one GPU, so this is how a trainer reaches replicas that share
 its GPU; ``auto``'s plan routes them here. Its receiver: :mod:`.receiver`.
@@ -14,6 +20,7 @@ its GPU; ``auto``'s plan routes them here. Its receiver: :mod:`.receiver`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import torch
@@ -21,8 +28,8 @@ import torch
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import WorkerMethods
 from torchrl_vllm_ext.weight_sync.specs import IpcUpdate, to_json
-from torchrl_vllm_ext.weight_sync.transports.ipc.handles import share
-from torchrl_vllm_ext.weight_sync.transports.packing import Packed, pack
+from torchrl_vllm_ext.weight_sync.transports.ipc.handles import SharedBuckets, share
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Replicas,
     Transport,
@@ -30,9 +37,12 @@ from torchrl_vllm_ext.weight_sync.transports.protocol import (
     WorkerCall,
     calls_for,
     raise_errors,
+    settle,
     trainer_device,
     wait_staged,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class IpcTransport(Transport):
@@ -54,6 +64,8 @@ class IpcTransport(Transport):
         super().__init__(fleet, options)
         self._staged: tuple[str, Packed] | None = None  # (update JSON, the buckets it maps)
         self._committed: tuple[str, Packed] | None = None
+        self._slots = PackSlots()  # the buckets, re-packed in place push after push
+        self._shared = SharedBuckets()  # their handles, shared once per set of buckets
 
     async def prepare(
         self,
@@ -70,7 +82,10 @@ class IpcTransport(Transport):
                     "CPU. Move the model to its GPU, or use transport='storage'."
                 )
             t0 = time.perf_counter()
-            packed = await asyncio.to_thread(pack, tensors, version, self.options.bucket_bytes)
+            committed = self._committed[1] if self._committed else None
+            packed = await asyncio.to_thread(
+                self._slots.pack, tensors, version, self.options.bucket_bytes, committed
+            )
             phases["pack"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         update = self._share(packed)
@@ -90,18 +105,20 @@ class IpcTransport(Transport):
         self._staged = (update, packed)
         self.staged_in = {r.replica_id: "device" for r in replicas}
         phases["share"] = phases.get("share", 0.0) + time.perf_counter() - t0
-        return calls_for(replicas, WorkerCall(WorkerMethods.LOAD_STAGED, (version,)))
+        return calls_for(replicas, WorkerCall(WorkerMethods.APPLY_STAGED, (version,)))
 
-    @staticmethod
-    def _share(packed: Packed) -> str:
-        """The JSON update of CUDA IPC handles to ``packed``'s buckets."""
+    def _share(self, packed: Packed) -> str:
+        """The JSON update of CUDA IPC handles to ``packed``'s buckets (a set shared before
+        keeps its handles: the workers find their mappings by them)."""
         torch.cuda.synchronize(packed.buffers[0].device)  # the buckets are complete first
-        return to_json(IpcUpdate(packed.header, tuple(share(b) for b in packed.buffers)))
+        handles = self._shared.handles(packed.buffers, share)
+        return to_json(IpcUpdate(packed.header, handles))
 
     async def commit(self, version: str) -> None:
-        # The workers copied out of the buckets in their pause: the previous committed
-        # buckets are free once no worker maps them (torch's IPC ref counter).
+        # The workers copied out of the buckets in their pause; the set of the previous
+        # version takes the next push (re-packed in place: the workers keep its mappings).
         self._committed, self._staged = self._staged, None
+        self._slots.settle(self._committed[1] if self._committed else None)
 
     async def rollback(self, version: str) -> None:
         self._staged = None
@@ -119,4 +136,19 @@ class IpcTransport(Transport):
         await replica.handle.collective_rpc.remote(WorkerMethods.RECEIVE_IPC, (update,))
 
     def close(self) -> None:
+        """Have every replica drop its mappings of the buckets (the trainer's GPU memory is
+        freed once nobody maps them), then drop them."""
+        refs = []
+        for r in self.fleet.ready():
+            try:
+                refs.append(r.handle.collective_rpc.remote(WorkerMethods.RELEASE_IPC))
+            except Exception:  # Ray already shut down: the replicas are gone with it
+                logger.debug("could not ask replica %d to unmap its IPC buckets", r.replica_id)
+        settle(refs, RELEASE_WAIT_S, "unmap the IPC buckets")
         self._staged = self._committed = None
+        self._slots.clear()
+        self._shared.clear()
+
+
+RELEASE_WAIT_S = 10.0
+"""How long :meth:`IpcTransport.close` waits for the replicas to unmap the buckets."""

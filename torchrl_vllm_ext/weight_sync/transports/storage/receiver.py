@@ -4,10 +4,14 @@ pass: :mod:`.actor`."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from torchrl_vllm_ext.weight_sync.transports.staging import staging_place
+from torchrl_vllm_ext.weight_sync.transports.staging import headroom, staging_place
 from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotReader
+
+logger = logging.getLogger(__name__)
 
 
 class StorageReceiver:
@@ -26,6 +30,14 @@ class StorageReceiver:
         self._tvllm_load(tensors.items(), manifest.version)
         return manifest.version
 
+    def apply_weights_from_storage(self, path: str, version: str) -> dict:
+        """The pause call on CPUs: load the published slot ``version`` of ``path`` (the
+        replica actor checksummed it before the pause); reports how it loaded:
+        ``{"version", "path", "nbytes", "replayed_bytes", "why"}``."""
+        manifest, tensors = self._tvllm_reader(path).read(version, verify=False)
+        report = self._tvllm_load(tensors.items(), manifest.version)
+        return {"version": manifest.version, **report.as_dict()}
+
     def stage_weights_from_storage(self, path: str, version: str) -> str:
         """GPU workers: copy the published slot of ``path`` (checksummed by the replica
         actor) to this worker's GPU, or to pinned host memory when the GPU lacks room, in a
@@ -34,10 +46,21 @@ class StorageReceiver:
         manifest, tensors = self._tvllm_reader(path).read(version, verify=False)
         device = torch.device("cuda", torch.cuda.current_device())
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        held = self.__dict__.get("_tvllm_stage_buffers", {})
-        held_bytes = sum(b.numel() * b.element_size() for b in held.values())
+        area = self.__dict__.get("_tvllm_staging")
+        held_bytes = area.device_bytes() if area is not None else 0
         free, total = torch.cuda.mem_get_info(device)
-        place = staging_place(nbytes, free, total, held_bytes)
+        sleep_mode = bool(self.vllm_config.model_config.enable_sleep_mode)
+        place = staging_place(nbytes, free, total, held_bytes, sleep_mode)
+        if area is None or area.place != place:
+            logger.info(
+                "weight staging of %.2f GB: %s (GPU free %.2f of %.2f GB, headroom %.2f GB%s)",
+                nbytes / 1e9,
+                "on the device" if place == "device" else "in pinned host memory",
+                free / 1e9,
+                total / 1e9,
+                headroom(total) / 1e9,
+                "; sleep mode keeps staging off the GPU" if sleep_mode else "",
+            )
         self._tvllm_stage(manifest.version, lambda: self._tvllm_copy_in(tensors, device, place))
         return place
 

@@ -3,10 +3,12 @@
 ``prepare``: 1) the writer fills the idle slot in place (copy, finiteness check and
 checksums in one pass) and publishes its manifest atomically; 2) each replica actor
 checksums the published slot while its engine keeps generating; 3) on GPUs, each worker
-copies the slot to its staging buffers (on the device, or pinned host memory when the
-GPU lacks room: :mod:`...staging`) in a background thread. In the pause the workers only
-copy in: from the slot on CPUs (``load_weights_from_storage(root, version,
-verified=True)``), from the staging buffers on GPUs (``load_staged_weights``).
+copies the slot to its staging buffer (reserved at the first sync and kept: on the device,
+or in pinned host memory when the GPU lacks room or the replica has sleep mode:
+:mod:`...staging`) in a background thread. In the pause the workers only copy in, by
+their load plan's replay (:mod:`...planned_load`): from the slot on CPUs
+(``apply_weights_from_storage(root, version)``), from the staging buffer on GPUs
+(``apply_staged_weights``).
 A restarted replica loads the published slot, so a push that no replica loaded
 publishes the previous version again. ``close`` has the replicas drop their mappings
 and removes the slots (see :class:`~.slots.SlotWriter`). Its receiver: :mod:`.receiver`;
@@ -25,7 +27,7 @@ import torch
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.protocol import ActorMethods, WorkerMethods
-from torchrl_vllm_ext.weight_sync.params import require_finite
+from torchrl_vllm_ext.weight_sync.params import require_all_finite, require_finite
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
@@ -86,7 +88,7 @@ class StorageTransport(Transport):
     ) -> dict[int, WorkerCall]:
         t0 = time.perf_counter()
         self._previous = self.writer.published()
-        await asyncio.to_thread(self.writer.write, tensors, version, require_finite)  # 1)
+        await asyncio.to_thread(self._write, tensors, version)  # 1)
         t1 = time.perf_counter()
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         staged = await self.fleet.call_all(  # 2)
@@ -104,7 +106,7 @@ class StorageTransport(Transport):
         replicas[:] = [r for r in replicas if r.replica_id in staged.results]
         phases.update(write=t1 - t0, stage=time.perf_counter() - t1)
         if not self.fleet.uses_gpu:
-            call = WorkerCall(WorkerMethods.LOAD_FROM_STORAGE, (self.root, version, True))
+            call = WorkerCall(WorkerMethods.APPLY_STORAGE, (self.root, version))
             return calls_for(replicas, call)
         t2 = time.perf_counter()  # 3)
         try:
@@ -113,7 +115,17 @@ class StorageTransport(Transport):
             await self.rollback(version)
             raise
         phases["gpu_stage"] = time.perf_counter() - t2
-        return calls_for(replicas, WorkerCall(WorkerMethods.LOAD_STAGED, (version,)))
+        return calls_for(replicas, WorkerCall(WorkerMethods.APPLY_STAGED, (version,)))
+
+    def _write(self, tensors: dict[str, torch.Tensor], version: str) -> None:
+        """Fill and publish the idle slot, rejecting NaN / inf: in the copy pass for host
+        tensors (while each is in cache), before it for GPU ones (batched: one sync, not
+        one per tensor)."""
+        if any(t.is_cuda for t in tensors.values()):
+            require_all_finite(tensors)
+            self.writer.write(tensors, version)
+        else:
+            self.writer.write(tensors, version, require_finite)
 
     async def _stage_on_gpus(self, replicas: Replicas, version: str, nbytes: int) -> None:
         """3) Every GPU worker copies the slot to its staging buffers before the pause."""
@@ -150,7 +162,7 @@ class StorageTransport(Transport):
                     "push again to bring it up."
                 )
             # auto sent this version by other routes: write a slot of it from the buckets.
-            await asyncio.to_thread(self.writer.write, packed.tensors(), version, require_finite)
+            await asyncio.to_thread(self._write, packed.tensors(), version)
         await replica.handle.collective_rpc.remote(
             WorkerMethods.LOAD_FROM_STORAGE, (self.root, version)
         )

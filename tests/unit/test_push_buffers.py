@@ -1,0 +1,197 @@
+"""The buffers a push keeps from push to push, and its checks as batched reductions: the
+trainer's packed buckets (A/B sets re-packed in place; CUDA IPC handles shared once, mappings
+kept by the workers), the workers' staging buffer (reserved once; where it goes, sleep mode
+included), broadcast receive buffers, and checksums / finiteness with one host sync."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.weight_sync.params import (
+    checksum,
+    device_checksums,
+    require_all_finite,
+    validate,
+)
+from torchrl_vllm_ext.weight_sync.specs import CudaIpcHandle, TensorSpec
+from torchrl_vllm_ext.weight_sync.transports.broadcast.receiver import _buffer
+from torchrl_vllm_ext.weight_sync.transports.ipc.handles import OpenedBuckets, SharedBuckets
+from torchrl_vllm_ext.weight_sync.transports.packing import PackSlots, pack
+from torchrl_vllm_ext.weight_sync.transports.staging import (
+    GIB,
+    StagingArea,
+    headroom,
+    staging_place,
+)
+
+
+def weights(seed: float, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    return {
+        "a": torch.full((3, 4), seed, dtype=dtype),
+        "b": torch.arange(5, dtype=dtype) + seed,
+        "h": torch.full((2,), seed, dtype=torch.bfloat16),
+    }
+
+
+# ---------------------------------------------------------------------- packed buckets
+def test_repacking_in_place_equals_a_fresh_pack():
+    first = pack(weights(1.0), "1", bucket_bytes=32)
+    again = pack(weights(2.0), "2", bucket_bytes=32, into=first)
+    fresh = pack(weights(2.0), "2", bucket_bytes=32)
+    assert again.buffers is first.buffers
+    assert again.header == fresh.header  # the same layout and checksums
+    for a, b in zip(again.buffers, fresh.buffers, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_new_layout_is_packed_into_new_buffers():
+    first = pack(weights(1.0), "1")
+    other = pack({**weights(1.0), "a": torch.zeros(4, 4)}, "2", into=first)
+    assert other.buffers is not first.buffers
+    assert other.tensors()["a"].shape == (4, 4)
+
+
+def test_two_sets_alternate_and_the_committed_one_stays_intact():
+    slots = PackSlots()
+    committed = None
+    seen = []
+    for version in range(1, 6):
+        packed = slots.pack(weights(float(version)), str(version), committed=committed)
+        assert committed is None or packed.buffers is not committed.buffers
+        if committed is not None:  # the live version's bytes are untouched by this push
+            assert committed.tensors()["b"][0].item() == float(version - 1)
+        seen.append(id(packed.buffers))
+        committed = packed
+        slots.settle(committed)
+    assert len(set(seen)) == 2, "two sets, reused alternately"
+
+
+def test_a_rolled_back_push_leaves_the_committed_set_and_reuses_its_own():
+    slots = PackSlots()
+    live = slots.pack(weights(1.0), "1")
+    failed = slots.pack(weights(2.0), "2", committed=live)  # then rolled back
+    retry = slots.pack(weights(3.0), "3", committed=live)
+    assert retry.buffers is failed.buffers and live.tensors()["b"][0].item() == 1.0
+
+
+def test_without_memory_for_two_sets_the_spare_is_dropped():
+    slots = PackSlots(keep_spare=lambda nbytes, device: False)
+    a = slots.pack(weights(1.0), "1")
+    slots.settle(a)
+    b = slots.pack(weights(2.0), "2", committed=a)
+    slots.settle(b)  # a's set is dropped here
+    c = slots.pack(weights(3.0), "3", committed=b)
+    assert c.buffers is not a.buffers and c.buffers is not b.buffers
+
+
+# ---------------------------------------------------------------------- CUDA IPC handles
+def handle(i: int, numel: int = 8) -> CudaIpcHandle:
+    return CudaIpcHandle(
+        "gpu-0", numel, 0, "torch.storage.UntypedStorage", f"mem{i}", numel, 0, "r", 0, "", False
+    )
+
+
+def test_the_trainer_shares_each_set_once():
+    shared, shares = SharedBuckets(), []
+
+    def fake_share(buf):
+        shares.append(buf)
+        return handle(len(shares))
+
+    a = [torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)]
+    b = [torch.zeros(8, dtype=torch.uint8)]
+    for _ in range(3):
+        first, second = shared.handles(a, fake_share), shared.handles(b, fake_share)
+    assert len(shares) == 3 and first != second
+    del b  # a freed set's entry goes; a new set is shared anew
+    shared.handles([torch.zeros(8, dtype=torch.uint8)], fake_share)
+    assert len(shares) == 4
+
+
+def test_workers_keep_the_mappings_of_both_sets():
+    opened = OpenedBuckets(lambda h: torch.zeros(h.numel, dtype=torch.uint8))
+    set_a, set_b = [handle(0), handle(1)], [handle(2), handle(3)]
+    maps = [opened.open(s) for s in (set_a, set_b, set_a, set_b, set_a)]
+    assert opened.opened == 4, "each bucket mapped once"
+    assert maps[0][0] is maps[2][0] is maps[4][0]
+    opened.open([handle(9)])  # a new layout: set_a is in neither of the last two updates
+    assert len(opened) == 3 and opened.opened == 5
+    opened.clear()
+    assert len(opened) == 0
+
+
+# ---------------------------------------------------------------------- staging
+def test_staging_goes_to_the_device_when_it_keeps_the_headroom():
+    total = 141 * GIB  # the H200 of the issue: 1.21 GB with ~8 GB free
+    assert headroom(total) == total // 50
+    assert staging_place(1_210_000_000, 8 * GIB, total) == "device"
+    assert staging_place(1_210_000_000, 3 * GIB, total) == "pinned"
+    assert staging_place(1_210_000_000, 3 * GIB, total, held_bytes=1_210_000_000) == "device"
+    assert staging_place(1_210_000_000, 100 * GIB, total, sleep_mode=True) == "pinned"
+
+
+def test_the_staging_area_is_reserved_once_per_layout_and_filled_in_place():
+    area = StagingArea()
+    w = weights(1.0)
+    specs = [(n, tuple(t.shape), t.dtype) for n, t in w.items()]
+    cpu = torch.device("cpu")
+    assert area.reserve(specs, "device", cpu) is True
+    buffer = area.buffer
+    for seed in (2.0, 3.0):
+        assert area.reserve(specs, "device", cpu) is False
+        staged = dict(area.fill(weights(seed)))
+        assert area.buffer is buffer
+        for name, t in weights(seed).items():
+            assert torch.equal(staged[name], t)
+            assert staged[name].untyped_storage().data_ptr() == buffer.data_ptr()
+    for view in area.views.values():  # aligned in the buffer (CUDA's allocator aligns it)
+        assert (view.data_ptr() - buffer.data_ptr()) % 256 == 0
+    other = [("a", (2, 2), torch.float32)]
+    assert area.reserve(other, "device", cpu) is True and area.buffer is not buffer
+    assert area.device_bytes() == area.nbytes
+    area.release()
+    assert area.nbytes == 0 and area.device_bytes() == 0
+
+
+# ---------------------------------------------------------------------- receive buffers
+def test_broadcast_receive_buffers_are_kept_while_their_sizes_hold():
+    kept: list[torch.Tensor] = []
+    cpu = torch.device("cpu")
+    first = [_buffer(kept, i, n, cpu) for i, n in enumerate((16, 32))]
+    second = [_buffer(kept, i, n, cpu) for i, n in enumerate((16, 32))]
+    assert all(a is b for a, b in zip(first, second, strict=True))
+    third = _buffer(kept, 1, 64, cpu)
+    assert third is not first[1] and kept[1] is third and kept[0] is first[0]
+
+
+# ---------------------------------------------------------------------- batched checks
+def test_batched_checksums_equal_the_numpy_ones():
+    ts = [
+        torch.arange(13, dtype=torch.uint8),
+        torch.randn(7, 3),
+        torch.ones(2, dtype=torch.bfloat16),
+    ]
+    assert device_checksums(ts) == [checksum(t) for t in ts]
+    assert device_checksums([]) == []
+
+
+def test_batched_finiteness_names_the_first_bad_tensor():
+    good = {"a": torch.ones(3), "b": torch.zeros(0), "c": torch.ones(2, dtype=torch.bfloat16)}
+    require_all_finite(good)
+    bad = {**good, "d": torch.tensor([1.0, float("inf")]), "e": torch.tensor([float("nan")])}
+    with pytest.raises(WeightSyncError, match="parameter 'd' contains NaN or inf"):
+        require_all_finite(bad)
+
+
+def test_validate_checks_finiteness_in_one_batch():
+    expected = {
+        n: TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        for n, t in weights(1.0).items()
+    }
+    assert list(validate(weights(1.0), expected)) == list(expected)
+    broken = {**weights(1.0), "b": torch.tensor([0.0, 1, 2, 3, float("nan")])}
+    with pytest.raises(WeightSyncError, match="'b' contains NaN"):
+        validate(broken, expected)
+    validate(broken, expected, check_finite=False)  # left to the transport's copy pass
