@@ -45,7 +45,7 @@ PARTS = {
 BENCHES = {
     "start": (["benchmarks/bench_start.py"], 240),
     "policy": (["benchmarks/bench_policy.py"], 240),
-    "sync": (["benchmarks/bench_sync.py", "--repeats", "{repeats}"], 150),
+    "sync": (["benchmarks/bench_sync.py", "--repeats", "{repeats}"], 240),  # traced pushes
     "generate": (["benchmarks/bench_generate.py"], 200),
     "ceiling": (["benchmarks/bench_ceiling.py"], 60),
 }

@@ -18,11 +18,17 @@ Differences across 0.26-0.33 that the package meets (``AsyncLLM``, the GPU engin
 - ``VLLMValidationError`` is a ``ValueError`` on 0.26 only (:func:`vllm_validation_errors`
   catches both).
 - ``wake_up`` returns whether everything is awake from 0.32 (None before): not relied on.
+- A MoE layer's ``MoERunner.load_weights`` names the expert weights it loaded relative to
+  its ``routed_experts`` submodule on 0.26 (``w13_weight``; 0.32 qualifies them,
+  ``routed_experts.w13_weight``), so 0.26's ``reload_weights`` warns after every MoE push
+  that each expert weight "was not loaded from checkpoint", loaded or not
+  (:func:`worker_reload_weights` drops those names; see :class:`UnqualifiedExpertNames`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import re
 from types import SimpleNamespace
@@ -402,6 +408,11 @@ def release_distributed() -> None:
 # ---------------------------------------------------------------------------- model workers
 LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _FAILED_TO_LOAD = "%s: Failed to load weights"
+GPU_RUNNER_LOGGER = "vllm.v1.worker.gpu_model_runner"
+"""Where vLLM 0.26's ``GPUModelRunner.reload_weights`` logs (0.32 logs from
+``vllm.model_executor.model_loader.reload.inplace``)."""
+_NOT_LOADED = "Following weights were not loaded from checkpoint: %s"
+_ROUTED_EXPERTS = ".routed_experts."
 
 
 def worker_reload_weights(worker, named_tensors) -> None:
@@ -409,14 +420,72 @@ def worker_reload_weights(worker, named_tensors) -> None:
     then what that reload leaves stale on CPU (a tied head's GEMM copy, prepacked experts)."""
     model = worker.get_model()
     quiet = NoCheckpointLayers(layers_without_checkpoint_tensors(model))
-    layerwise = logging.getLogger(LAYERWISE_LOGGER)
-    layerwise.addFilter(quiet)
+    filters = [(logging.getLogger(LAYERWISE_LOGGER), quiet)]
+    if moe_runner_names_unqualified():
+        filters.append((logging.getLogger(GPU_RUNNER_LOGGER), UnqualifiedExpertNames()))
+    for log, quiet in filters:
+        log.addFilter(quiet)
     try:
         worker.reload_weights(weights_iterator=iter(named_tensors), is_checkpoint_format=True)
     finally:
-        layerwise.removeFilter(quiet)
+        for log, quiet in filters:
+            log.removeFilter(quiet)
     _refresh_tied_lm_head(model)
     _prepack_cpu_experts(model)
+
+
+@functools.cache
+def moe_runner_names_unqualified() -> bool:
+    """Whether vLLM's ``MoERunner.load_weights`` reports the expert weights it loaded
+    without the ``routed_experts.`` prefix their parameters have (0.26: its
+    ``reload_weights`` then names every expert weight "not loaded from checkpoint").
+
+    NOTE: asked of the method itself, with a stand-in runner whose experts load
+    ``w13_weight``: 0.26 returns the experts' names as they are, 0.32 prefixes them.
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    except ImportError:  # no MoERunner: the FusedMoE layer holds its experts itself
+        return False
+    experts = SimpleNamespace(load_weights=lambda weights: iter(("w13_weight",)))
+    try:
+        names = list(MoERunner.load_weights(SimpleNamespace(routed_experts=experts), iter(())))
+    except Exception:  # another signature: nothing known, warn as vLLM does
+        return False
+    return names == ["w13_weight"]
+
+
+class UnqualifiedExpertNames(logging.Filter):
+    """Take the ``routed_experts`` weights out of vLLM 0.26's "Following weights were not
+    loaded from checkpoint: {...}" (the whole warning when nothing else is left).
+
+    vLLM 0.26 compares the model's parameter names with the names ``load_weights``
+    reports, and its MoE layers report theirs without ``routed_experts.``: every push of
+    a MoE model listed every expert weight, whether it loaded or not. A layer that really
+    received nothing is still named by the layerwise reload ("RoutedExperts: Failed to
+    load weights"), and the value check (:mod:`torchrl_vllm_ext.weight_sync.verify`)
+    scores what the replica serves.
+
+    Examples:
+        >>> def record(names):
+        ...     return logging.LogRecord("x", logging.WARNING, "", 0, _NOT_LOADED, (names,), None)
+        >>> quiet = UnqualifiedExpertNames()
+        >>> quiet.filter(record({"model.layers.0.mlp.experts.routed_experts.w13_weight"}))
+        False
+        >>> r = record({"model.layers.0.mlp.experts.routed_experts.w2_weight", "lm_head.weight"})
+        >>> quiet.filter(r), r.getMessage()
+        (True, "Following weights were not loaded from checkpoint: {'lm_head.weight'}")
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if record.msg != _NOT_LOADED or len(args) != 1 or not isinstance(args[0], set):
+            return True
+        kept = {name for name in args[0] if _ROUTED_EXPERTS not in name}
+        if not kept:
+            return False
+        record.args = (kept,)
+        return True
 
 
 class NoCheckpointLayers(logging.Filter):

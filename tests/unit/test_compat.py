@@ -311,3 +311,41 @@ def test_the_kv_size_log_config_sends_only_those_lines_to_its_file(tmp_path):
     assert _compat.kv_cache_bytes_logged(logged) == int(1.495 * (1 << 30))
     assert "another logger" not in logged + out.stdout, "other INFO lines stay at WARNING"
     assert "Available KV" not in out.stdout and "a warning" in out.stdout + out.stderr
+
+
+def test_vllm_032_names_the_expert_weights_it_reloads_under_routed_experts():
+    # The CPU wheel (0.32): its MoERunner qualifies the names, so its warning stays whole.
+    assert not _compat.moe_runner_names_unqualified()
+
+
+def test_vllm_026s_unqualified_expert_names_are_recognised(monkeypatch):
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    def load_weights_026(self, weights):  # vLLM 0.26, runner/moe_runner.py
+        return self.routed_experts.load_weights(weights)
+
+    monkeypatch.setattr(MoERunner, "load_weights", load_weights_026)
+    _compat.moe_runner_names_unqualified.cache_clear()
+    try:
+        assert _compat.moe_runner_names_unqualified()
+    finally:
+        monkeypatch.undo()
+        _compat.moe_runner_names_unqualified.cache_clear()
+
+
+def test_only_expert_names_leave_the_not_loaded_warning(caplog):
+    import logging
+
+    runner = logging.getLogger(_compat.GPU_RUNNER_LOGGER)
+    quiet = _compat.UnqualifiedExpertNames()
+    runner.addFilter(quiet)
+    experts = {f"model.layers.{i}.mlp.experts.routed_experts.w13_weight" for i in range(2)}
+    try:
+        with caplog.at_level(logging.WARNING, _compat.GPU_RUNNER_LOGGER):
+            runner.warning(_compat._NOT_LOADED, experts)
+            runner.warning(_compat._NOT_LOADED, experts | {"model.norm.weight"})
+    finally:
+        runner.removeFilter(quiet)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Following weights were not loaded from checkpoint: {'model.norm.weight'}"
+    ]
