@@ -13,7 +13,7 @@ _EXPORTS = {
     "ServiceConfig": "torchrl_vllm_ext.engine.config",
     "VLLMPolicy": "torchrl_vllm_ext.wrappers",
     "WeightSyncScheme": "torchrl_vllm_ext.weight_sync.scheme",
-    "SyncReport": "torchrl_vllm_ext.weight_sync.scheme",
+    "SyncReport": "torchrl_vllm_ext.weight_sync.report",
     "AdapterSync": "torchrl_vllm_ext.weight_sync.adapters",
     "Deadline": "torchrl_vllm_ext.deadlines",
     "WeightSyncUpdater": "torchrl_vllm_ext.collectors",

@@ -18,7 +18,8 @@ import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.params import expected_specs, torch_dtype
-from torchrl_vllm_ext.weight_sync.scheme import SyncReport, WeightSyncScheme
+from torchrl_vllm_ext.weight_sync.report import SyncReport
+from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme
 from torchrl_vllm_ext.weight_sync.versions import next_version
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
 """What runs inside a replica's Ray actor: :class:`~.actor.VLLMReplica`, the engine it drives
 (:class:`~.engine.Engine`: :class:`~.inproc.InprocEngine` on CPU,
 :class:`~.async_engine.AsyncEngine` with vLLM's engine-core process on GPU), and the engine
-core's own error read back from the actor's stderr (:mod:`.stderr_tail`)."""
+core's own error read back from the actor's stderr (:mod:`.stderr_tail`); TorchRL's
+actor calls (:mod:`.torchrl_calls`)."""

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -35,7 +34,13 @@ from torchrl_vllm_ext.batches import PromptBatch, RequestBatch
 from torchrl_vllm_ext.engine.adapters import Adapter, stage_files
 from torchrl_vllm_ext.engine.outputs import pack_outputs, prompt_logprobs_of
 from torchrl_vllm_ext.engine.replica.engine import Engine
-from torchrl_vllm_ext.engine.replica.stderr_tail import StderrMark, explain
+from torchrl_vllm_ext.engine.replica.stderr_tail import (
+    StderrMark,
+    explain,
+    redirect_output,
+    root_cause,
+)
+from torchrl_vllm_ext.engine.replica.torchrl_calls import TorchRLActorCalls
 from torchrl_vllm_ext.engine.serving import ServingState, check_pause_mode, update_steps
 from torchrl_vllm_ext.engine.validation import make_sampling_params, with_seed
 from torchrl_vllm_ext.errors import (
@@ -61,45 +66,6 @@ synchronously)."""
 CONCURRENCY_GROUPS = {WATCH_GROUP: 1}
 """The replica actor class's concurrency groups (``ray.remote(concurrency_groups=...)``)."""
 _LOGGING_CONFIG_ENV = "VLLM_LOGGING_CONFIG_PATH"
-
-_NATIVE_TRANSFER = (
-    "replica {}: vLLM's native weight transfer (TorchRL's VLLMWeightSyncScheme and "
-    "AsyncVLLM's NCCL group) is not served: pushes into these replicas are verified and "
-    "versioned. Push with vLLMUpdaterV2(service), service.update_weights(...), or "
-    "torchrl_vllm_ext.WeightSyncScheme(service) (a TorchRL WeightSyncScheme)."
-)
-
-
-def root_cause(error: BaseException) -> str:
-    """``Type: message`` of the innermost exception that ``error`` was raised from.
-
-    Examples:
-        >>> try:
-        ...     try:
-        ...         raise RuntimeError("head_dim=24 unsupported")
-        ...     except RuntimeError as e:
-        ...         raise ValueError("engine is gone") from e
-        ... except ValueError as outer:
-        ...     root_cause(outer)
-        'RuntimeError: head_dim=24 unsupported'
-    """
-    while error.__cause__ is not None or (
-        error.__context__ is not None and not error.__suppress_context__
-    ):
-        error = error.__cause__ or error.__context__
-    return f"{type(error).__name__}: {error}"
-
-
-def _redirect_output(path: str) -> None:
-    """Point this process's stdout and stderr (file descriptors 1 and 2, which vLLM's
-    loggers, C++ warnings and child processes all write to) at ``path``, appended."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 @dataclass(frozen=True)
@@ -129,7 +95,7 @@ class ReplicaSpec:
     """Dotted path of the :class:`Engine` to drive instead of vLLM's (a stand-in)."""
 
 
-class VLLMReplica:
+class VLLMReplica(TorchRLActorCalls):
     """Ray actor body: one vLLM engine (the pool wraps it with ``ray.remote``).
 
     Args:
@@ -138,7 +104,7 @@ class VLLMReplica:
 
     def __init__(self, spec: ReplicaSpec):
         if spec.log_file is not None:
-            _redirect_output(spec.log_file)
+            redirect_output(spec.log_file)
         for key, value in spec.env.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -624,40 +590,6 @@ class VLLMReplica:
         self._remove_tempdir()
 
     # ------------------------------------------------------------------ lifecycle
-    # ------------------------------------------------------------------ TorchRL's actor calls
-    # What TorchRL's code and tests call on AsyncVLLM's actors (service.actors[i]).
-    def ready(self) -> bool:
-        return self.engine is not None
-
-    def get_tokenizer(self):
-        """The served model's tokenizer (TorchRL's ``actor.get_tokenizer.remote()``)."""
-        from torchrl_vllm_ext.hf import load_tokenizer
-
-        return load_tokenizer(self._engine_kwargs.get("tokenizer") or self._model, "tokenizer")
-
-    async def collective_rpc_v1(
-        self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None
-    ):
-        """TorchRL's name and argument order of :meth:`collective_rpc`."""
-        return await asyncio.wait_for(self.collective_rpc(method, args, kwargs), timeout)
-
-    def get_world_size(self) -> int:
-        """Workers of this replica (tensor x pipeline parallel)."""
-        kw = self._engine_kwargs
-        return kw.get("tensor_parallel_size", 1) * kw.get("pipeline_parallel_size", 1)
-
-    async def get_num_unfinished_requests(self) -> int:
-        return self._outstanding
-
-    async def get_cache_usage(self) -> float:
-        return self._require_engine().load().kv_cache_usage
-
-    async def init_weight_transfer_engine(self, init_request) -> None:
-        raise WeightSyncError(_NATIVE_TRANSFER.format(self.replica_id))
-
-    async def update_weights_native(self, update_request) -> None:
-        raise WeightSyncError(_NATIVE_TRANSFER.format(self.replica_id))
-
     async def shutdown(self) -> None:
         """Stop the engine and its processes."""
         if self.engine is not None:

@@ -6,6 +6,10 @@ argument, an out-of-memory), it prints its traceback to the stderr it inherited 
 A replica's stderr is a file (Ray's worker log, or the service's ``log_file``), so the
 replica marks where that file ends before the engine starts and, if the start fails
 that way, reads what was written since and names its last exception.
+
+Also the two helpers around it: :func:`redirect_output` points the actor's file descriptors at
+its log file (where vLLM's engine core writes), and :func:`root_cause` names the innermost
+error of an exception chain.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import sys
 
 READ_LIMIT = 256 << 10  # the tail of a long log is enough: the traceback comes last
 SEE_ABOVE = "root cause above"
@@ -89,3 +94,35 @@ def explain(cause: str, mark: StderrMark) -> str:
     if inner is None:
         return cause
     return f"{inner} (in vLLM's engine-core process; vLLM said: {cause})"
+
+
+def root_cause(error: BaseException) -> str:
+    """``Type: message`` of the innermost exception that ``error`` was raised from.
+
+    Examples:
+        >>> try:
+        ...     try:
+        ...         raise RuntimeError("head_dim=24 unsupported")
+        ...     except RuntimeError as e:
+        ...         raise ValueError("engine is gone") from e
+        ... except ValueError as outer:
+        ...     root_cause(outer)
+        'RuntimeError: head_dim=24 unsupported'
+    """
+    while error.__cause__ is not None or (
+        error.__context__ is not None and not error.__suppress_context__
+    ):
+        error = error.__cause__ or error.__context__
+    return f"{type(error).__name__}: {error}"
+
+
+def redirect_output(path: str) -> None:
+    """Point this process's stdout and stderr (file descriptors 1 and 2, which vLLM's
+    loggers, C++ warnings and child processes all write to) at ``path``, appended."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)

@@ -1,0 +1,68 @@
+"""SyncReport: what one push did and how long it took (``WeightSyncScheme.push`` returns it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SyncReport:
+    """What one push did and how long it took."""
+
+    version: str
+    """The version now served by every replica."""
+    transport: str
+    """``storage``, ``broadcast``, ``ipc``, or the routes of a planned push joined
+    (``ipc+nccl``)."""
+    nbytes: int
+    """Bytes of weights pushed."""
+    seconds: float
+    """From ``push`` to every replica serving the new version."""
+    pause_s: dict[int, float] = field(default_factory=dict)
+    """Per replica: how long generation was paused, as the replica's actor measures it
+    (from sending the pause-and-load call to the answer of the label-and-resume call:
+    the engine's own pause lies within it)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase. Storage: validate, write (copy, finiteness and checksums in one
+    pass), stage (replicas checksum the slot), apply (pause, load, resume), load (the
+    slowest replica's pause-and-load call, from its send to its answer). Broadcast:
+    validate, pack, send (workers
+    receive and verify while generating), apply, load. Both, on a verified push:
+    reference (the trainer's probe log-probs, beside prepare), verify (every replica's
+    probe, after its pause)."""
+    probe_gap: dict[int, float] = field(default_factory=dict)
+    """Per replica: mean |replica - trainer (float32)| log-prob over the probe (empty: not
+    verified)."""
+    staged_in: dict[int, str] = field(default_factory=dict)
+    """GPU replicas: where each staged the version before its pause (``device``, or
+    ``pinned`` host memory when its GPU lacked room)."""
+    probe_deferred: list[int] = field(default_factory=list)
+    """Replicas loaded while paused or with their KV cache asleep: their value check runs
+    when the service serves again (``resume`` / ``wake_up``), which raises if it fails."""
+    probe_limit: float | None = None
+    """The largest ``probe_gap`` this push allowed (None: not verified): ``verify_tol``, or
+    ``max(1e-3, 3 x probe_noise)`` (:attr:`~torchrl_vllm_ext.weight_sync.verify.Reference.limit`)."""
+    probe_noise: float | None = None
+    """Mean |served dtype - float32| log-prob over the probe, both computed by the trainer
+    with the pushed weights (0 for float32 replicas; None: not verified)."""
+    loads: dict[int, list[dict]] = field(default_factory=dict)
+    """Per replica, per worker: how it loaded (``path``: ``replay`` of its load plan,
+    ``trace`` on the first push of a layout, ``loader``, or ``layerwise`` for MoE /
+    quantized / CPU-packed models; ``nbytes``, ``replayed_bytes``, ``why``:
+    :class:`~torchrl_vllm_ext.weight_sync.transports.planned_load.LoadReport`)."""
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.nbytes / self.seconds / 1e9
+
+    @property
+    def replayed_bytes(self) -> int:
+        """Bytes every replica's workers loaded by their plan's replay (one batched copy),
+        summed over replicas and workers."""
+        return sum(w.get("replayed_bytes", 0) for ws in self.loads.values() for w in ws)
+
+    @property
+    def replayed_share(self) -> float | None:
+        """The share of the loaded bytes that replayed (None: no worker reported)."""
+        total = sum(w.get("nbytes", 0) for ws in self.loads.values() for w in ws)
+        return self.replayed_bytes / total if total else None
