@@ -287,6 +287,26 @@ def release_semaphores() -> int:
     return released
 
 
+
+def thread_only_progress_lock() -> bool:
+    """Give tqdm a thread lock in this process, unless it has a lock already; whether it
+    set one. tqdm's default lock also holds a multiprocessing ``RLock``: in a spawned
+    process (vLLM's engine core under Ray) that is a named semaphore which only a
+    finalizer at a normal exit, or the resource tracker, unlinks. A replica killed with
+    SIGKILL takes both along (Ray kills a dead worker's children) and leaves a
+    ``/dev/shm/sem.mp-*`` behind. vLLM's weight-loading bars take the lock first;
+    nothing shares it across processes.
+    """
+    import threading
+
+    from tqdm import tqdm
+
+    if hasattr(tqdm, "_lock"):
+        return False
+    tqdm.set_lock(threading.RLock())
+    return True
+
+
 __all__ = [
     "OWNER_FILE",
     "PREFIX",
@@ -302,4 +322,5 @@ __all__ = [
     "remove_at_exit",
     "remove_owned",
     "shm_base",
+    "thread_only_progress_lock",
 ]

@@ -91,3 +91,31 @@ def test_an_adopted_temp_dir_leaves_torchs_compile_caches_machine_wide():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().splitlines()[-1] == "True"
+
+
+NAMED_SEMAPHORES = """
+import multiprocessing, sys
+from multiprocessing import synchronize, util
+multiprocessing.set_start_method("spawn")  # as in vLLM's engine core under Ray
+from torchrl_vllm_ext import leftovers
+if sys.argv[1] == "thread":
+    assert leftovers.thread_only_progress_lock()
+    assert not leftovers.thread_only_progress_lock()  # kept: it has one now
+from tqdm.auto import tqdm
+for _ in tqdm(range(2), disable=True):  # a bar takes the lock, shown or not
+    pass
+print(sum(getattr(f, "_callback", None) is synchronize.SemLock._cleanup
+          for f in util._finalizer_registry.values()))
+"""
+
+
+def test_progress_bars_in_a_spawned_process_name_no_semaphore_with_the_thread_lock():
+    """A named semaphore is what a killed engine-core process leaves in /dev/shm."""
+    counts = {
+        lock: subprocess.run(
+            [sys.executable, "-c", NAMED_SEMAPHORES, lock],
+            capture_output=True, text=True, check=True,
+        ).stdout.split()[-1]
+        for lock in ("default", "thread")
+    }
+    assert counts == {"default": "1", "thread": "0"}

@@ -12,6 +12,7 @@ Every method verifies what it received before it touches the served weights.
 
 from __future__ import annotations
 
+from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext.weight_sync import cpu_layout
 from torchrl_vllm_ext.weight_sync.transports.receiving import Receiving
 from torchrl_vllm_ext.weight_sync.transports.registry import receivers
@@ -19,6 +20,9 @@ from torchrl_vllm_ext.weight_sync.transports.registry import receivers
 # Only vLLM worker processes import this module (as ``worker_extension_cls``), before
 # they build the model: on CPU the weights then stay updatable in place.
 cpu_layout.keep_checkpoint_layout()
+# ...and before vLLM's weight-loading bars take tqdm's lock: a thread lock, not a named
+# semaphore that a killed engine-core process would leave in /dev/shm.
+leftovers.thread_only_progress_lock()
 
 
 class WeightSyncWorkerExtension(*receivers(), Receiving):
