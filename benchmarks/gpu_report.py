@@ -163,12 +163,15 @@ def run_script(cmd: list[str], timeout: float | None, log: Path | None = None) -
         log.write_text(stdout + "\n--- stderr ---\n" + stderr)
     tail = [line for line in stderr.strip().splitlines() if line.strip()]
     last = tail[-1][:300] if tail else "no output"
-    if stopped:
-        return {"error": f"stopped after {timeout:.0f} s (the part's budget); last: {last}"}
-    try:
-        return {**last_json_object(stdout), "seconds": round(time.perf_counter() - t0, 1)}
+    try:  # a script stopped after it printed its figures (a slow exit) keeps them
+        figures = last_json_object(stdout)
     except ValueError:
+        if stopped:
+            return {"error": f"stopped after {timeout:.0f} s (the part's budget); last: {last}"}
         return {"error": f"exit {proc.returncode}: {last}"}
+    if stopped:
+        return {**figures, "stopped_after_s": round(timeout, 1)}
+    return {**figures, "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def with_group_gone(pgid: int) -> None:
@@ -291,8 +294,10 @@ def render_start(r: dict) -> list[str]:
 
 def render_throughput(name: str, r: dict) -> list[str]:
     """Tokens/s per system, beside the raw engines (medians; paired ratios of the policy)."""
-    systems = {
-        k.removesuffix("_tokens_per_s"): v for k, v in r.items() if k.endswith("_tokens_per_s")
+    systems = {  # each system's median (per-round lists end in "_tokens_per_s" too)
+        k.removesuffix("_tokens_per_s"): v
+        for k, v in r.items()
+        if k.endswith("_tokens_per_s") and isinstance(v, int | float)
     }
     raw = r.get("raw_vllm_tokens_per_s") or r.get("raw_asyncllm_tokens_per_s")
     lines = [
@@ -354,7 +359,10 @@ def main() -> int:
     def write() -> None:
         # after every part and bench: a lease that ends mid-run keeps what finished
         merged_path.write_text(json.dumps({"parts": parts}, indent=2) + "\n")
-        (args.out / "gpu.md").write_text(render(parts))
+        try:
+            (args.out / "gpu.md").write_text(render(parts))
+        except Exception as e:  # gpu.json has it all: a rendering slip costs no run
+            print(f"gpu.md not rendered: {type(e).__name__}: {e}", file=sys.stderr)
 
     for i, name in enumerate(args.part):
         part: dict = {"versions": machine}

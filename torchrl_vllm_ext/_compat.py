@@ -574,6 +574,11 @@ def _refresh_tied_lm_head(model) -> None:
     own), but on CPU its ``process_weights_after_loading`` packed a private copy of the
     embedding for the GEMM; without this the logits keep using the old weights.
     """
+    from vllm.platforms import current_platform
+
+    # Only vLLM-CPU packs that copy; on a GPU a quantized tied head would be processed twice.
+    if not current_platform.is_cpu():
+        return
     if _tied_lm_head(model) and hasattr(model.lm_head, "quant_method"):
         model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
@@ -608,6 +613,18 @@ def module_has_experts(module) -> bool:
     from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
     return isinstance(getattr(module, "quant_method", None), FusedMoEMethodBase)
+
+
+_DERIVING_LAYERS = frozenset({"MLAAttention", "HpcModule"})
+
+
+def module_derives_weights(module) -> bool:
+    """Whether a vLLM layer computes weights of its own from the loaded ones once loading
+    ends (MLA attention's absorbed ``W_UK_T`` / ``W_UV`` from ``kv_b_proj``; the HPC
+    fused modules): vLLM's reload re-derives them, while the model's ``load_weights`` (or a
+    copy into the loaded parameters) would leave them stale. Told by class name along the
+    MRO: the classes moved between modules across vLLM versions."""
+    return any(cls.__name__ in _DERIVING_LAYERS for cls in type(module).__mro__)
 
 
 def module_is_quantized(module) -> bool:

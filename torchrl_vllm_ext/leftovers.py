@@ -287,7 +287,6 @@ def release_semaphores() -> int:
     return released
 
 
-
 def thread_only_progress_lock() -> bool:
     """Give tqdm a thread lock in this process, unless it has a lock already; whether it
     set one. tqdm's default lock also holds a multiprocessing ``RLock``: in a spawned

@@ -349,3 +349,23 @@ def test_only_expert_names_leave_the_not_loaded_warning(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "Following weights were not loaded from checkpoint: {'model.norm.weight'}"
     ]
+
+
+def test_layers_that_derive_weights_after_loading_keep_the_reload():
+    """MLA attention absorbs kv_b_proj into W_UK_T / W_UV once loading ends: a model with
+    one must not be written in place (its load plan or loader would leave them stale)."""
+    import torch
+
+    from torchrl_vllm_ext.weight_sync.cpu_layout import loads_in_place
+
+    class MLAAttention(torch.nn.Module):  # named as vLLM's, in any of its modules
+        pass
+
+    class DeepseekMLA(MLAAttention):  # a subclass counts too
+        pass
+
+    dense = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    assert loads_in_place(dense)
+    assert not loads_in_place(torch.nn.Sequential(torch.nn.Linear(2, 2), DeepseekMLA()))
+    assert _compat.module_derives_weights(MLAAttention())
+    assert not _compat.module_derives_weights(torch.nn.Linear(2, 2))

@@ -114,7 +114,9 @@ def test_progress_bars_in_a_spawned_process_name_no_semaphore_with_the_thread_lo
     counts = {
         lock: subprocess.run(
             [sys.executable, "-c", NAMED_SEMAPHORES, lock],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.split()[-1]
         for lock in ("default", "thread")
     }

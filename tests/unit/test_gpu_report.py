@@ -44,6 +44,7 @@ POLICY = {
     "service_tokens_per_s": 90000.0,
     "policy_tokens_per_s": 85000.0,
     "raw_asyncllm_tokens_per_s": 95000.0,
+    "rounds_tokens_per_s": {"raw_vllm": [100000.0], "policy": [85000.0]},  # not a system
     "ratio_policy_vs_raw_vllm": 0.85,
     "paired_median_policy_vs_raw_vllm": 0.86,
     "paired_median_policy_vs_service": 0.95,
@@ -100,3 +101,16 @@ def test_a_script_past_what_is_left_is_stopped_with_its_children(tmp_path):
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie":
         assert time.monotonic() < deadline, "the script's child outlived it"
         time.sleep(0.1)
+
+
+def test_a_script_stopped_after_it_printed_its_figures_keeps_them(tmp_path):
+    """A bench whose engine is slow to exit loses no measurement."""
+    report = load_report()
+    script = tmp_path / "slow_exit.py"
+    script.write_text(
+        "import json, time\n"
+        "print(json.dumps({'benchmark': 'x', 'policy_tokens_per_s': 5.0}), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    out = report.run_script([str(script)], timeout=3)
+    assert out == {"benchmark": "x", "policy_tokens_per_s": 5.0, "stopped_after_s": 3.0}

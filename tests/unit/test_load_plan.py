@@ -355,6 +355,38 @@ def test_a_replay_that_differs_from_the_loader_is_refused_for_good():
         assert_bitwise(model, expected)
 
 
+def test_no_memory_for_the_trace_push_check_loads_with_the_loader_and_traces_again(
+    monkeypatch,
+):
+    """A colocated trainer may leave no GPU memory for the check's scratch: the push still
+    loads (no partial load, no restart), and the next one traces."""
+    from torchrl_vllm_ext.weight_sync.transports import planned_load
+
+    model = TinyDecoder()
+    loader = PlannedLoader()
+    state = lambda: model_state(model)  # noqa: E731
+    real = planned_load.content_sums
+    calls = []
+
+    def short_of_memory(tensors):
+        calls.append(1)
+        if len(calls) == 2:  # after the replay
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+        return real(tensors)
+
+    monkeypatch.setattr(planned_load, "content_sums", short_of_memory)
+    named = checkpoint(0)
+    expected = loaded_by_loader(model, named)
+    report = loader.load(model.load_weights, state, named)
+    assert report.path == "loader" and "no GPU memory" in report.why
+    assert_bitwise(model, expected)
+    assert loader.plan(named) is None
+    named = checkpoint(1)
+    expected = loaded_by_loader(model, named)
+    assert loader.load(model.load_weights, state, named).path == "trace"
+    assert_bitwise(model, expected)
+
+
 def test_plans_off_load_every_push_with_the_loader():
     model = TinyDecoder()
     loader = PlannedLoader()

@@ -93,7 +93,9 @@ def handle(i: int, numel: int = 8) -> CudaIpcHandle:
     )
 
 
-def test_the_trainer_shares_each_set_once():
+def test_the_trainer_shares_each_set_once_per_receiving_process():
+    """One share per process: torch's IPC reference counter of a share starts at 1 and
+    the process that maps it counts it down once."""
     shared, shares = SharedBuckets(), []
 
     def fake_share(buf):
@@ -102,12 +104,16 @@ def test_the_trainer_shares_each_set_once():
 
     a = [torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)]
     b = [torch.zeros(8, dtype=torch.uint8)]
+    r0 = (0, 100)  # (replica id, pid)
     for _ in range(3):
-        first, second = shared.handles(a, fake_share), shared.handles(b, fake_share)
+        first, second = shared.handles(a, r0, fake_share), shared.handles(b, r0, fake_share)
     assert len(shares) == 3 and first != second
+    other = shared.handles(a, (1, 200), fake_share)  # another replica: its own share
+    restarted = shared.handles(a, (0, 300), fake_share)  # replica 0 in a new process
+    assert len(shares) == 7 and len({first, other, restarted}) == 3
     del b  # a freed set's entry goes; a new set is shared anew
-    shared.handles([torch.zeros(8, dtype=torch.uint8)], fake_share)
-    assert len(shares) == 4
+    shared.handles([torch.zeros(8, dtype=torch.uint8)], r0, fake_share)
+    assert len(shares) == 8
 
 
 def test_workers_keep_the_mappings_of_both_sets():

@@ -174,11 +174,15 @@ def test_replicas_sharing_a_gpu_cannot_ask_for_more_than_their_shares(tmp_path):
     from torchrl_vllm_ext.errors import ConfigurationError
 
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ConfigurationError, match=r"gpu_memory_utilization=0.8 .* at most 0.5"):
+    with pytest.raises(ConfigurationError, match=r"gpu_memory_utilization=0.8 .* at most 0.475"):
         ServiceConfig(
             model=str(tmp_path), gpus_per_replica=0.5, engine_kwargs={"gpu_memory_utilization": 0.8}
         )
+    with pytest.raises(ConfigurationError, match="CUDA contexts"):  # a whole slice: no room
+        ServiceConfig(
+            model=str(tmp_path), gpus_per_replica=0.5, engine_kwargs={"gpu_memory_utilization": 0.5}
+        )
     ServiceConfig(
-        model=str(tmp_path), gpus_per_replica=0.5, engine_kwargs={"gpu_memory_utilization": 0.4}
+        model=str(tmp_path), gpus_per_replica=0.5, engine_kwargs={"gpu_memory_utilization": 0.475}
     )
     ServiceConfig(model=str(tmp_path), engine_kwargs={"gpu_memory_utilization": 0.95})

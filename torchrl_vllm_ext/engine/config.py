@@ -25,6 +25,10 @@ from torchrl_vllm_ext.protocol import (
 )
 
 DEFAULT_ROUTING = ("session", "prefix", "least_outstanding")
+MAX_SHARE_OF_SLICE = 0.95
+"""The most of its GPU slice a replica sharing a GPU may ask for (``gpu_memory_utilization``
+<= this x ``gpus_per_replica``): the rest holds its CUDA context, which vLLM's start check
+counts against the replicas after it."""
 ENGINE_PROCESS_ENV = "TORCHRL_VLLM_ENGINE_PROCESS"
 """Overrides the default of :attr:`ServiceConfig.engine_process` (``1`` / ``0``)."""
 
@@ -141,15 +145,18 @@ class ServiceConfig:
                 "tensor or pipeline parallelism (each worker owns its GPU)."
             )
         share = self.engine_kwargs.get("gpu_memory_utilization")
-        if self.gpus_per_replica < 1 and share is not None and share > self.gpus_per_replica:
+        most = round(MAX_SHARE_OF_SLICE * self.gpus_per_replica, 4)
+        if self.gpus_per_replica < 1 and share is not None and share > most:
             # Replicas sharing a GPU start in parallel, each within its share
-            # (engine/driver/start_order.py): the shares must fit in the GPU together.
+            # (engine/driver/start_order.py): the shares, and each replica's CUDA context
+            # besides, must fit in the GPU together (vLLM refuses to start a replica that
+            # finds less free than its share).
             raise ConfigurationError(
                 f"gpu_memory_utilization={share!r} is a share of the whole GPU, and replicas "
-                f"with gpus_per_replica={self.gpus_per_replica!r} share one: together they "
-                f"would ask for more than the GPU has. Give at most {self.gpus_per_replica!r} "
-                f"(the default is 0.9 x gpus_per_replica = {0.9 * self.gpus_per_replica:.3g}), "
-                "or set kv_cache_memory_bytes."
+                f"with gpus_per_replica={self.gpus_per_replica!r} share one: together with "
+                f"their CUDA contexts they would ask for more than the GPU has. Give at most "
+                f"{most:.3g} (the default is 0.9 x gpus_per_replica = "
+                f"{0.9 * self.gpus_per_replica:.3g}), or set kv_cache_memory_bytes."
             )
         if self.placement not in PLACEMENTS:
             raise ConfigurationError(f"placement={self.placement!r} is not one of {PLACEMENTS}.")

@@ -10,7 +10,7 @@ The owner's :class:`~torchrl_vllm_ext.engine.driver.pool.ReplicaPool` and a hand
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -82,6 +82,15 @@ class ReplicaFleet(Protocol):
         method: str,
         *args: Any,
         replicas: Iterable[ReplicaView] | None = None,
+        timeout: float | None = None,
+        deadline: float | None = None,
+    ) -> Outcomes: ...
+
+    async def call_each(
+        self,
+        call: Callable[[ReplicaView], Awaitable[Any]],
+        replicas: Iterable[ReplicaView] | None = None,
+        what: str = "call",
         timeout: float | None = None,
         deadline: float | None = None,
     ) -> Outcomes: ...

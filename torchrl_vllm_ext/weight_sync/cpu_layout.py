@@ -20,6 +20,7 @@ import os
 import torch
 
 from torchrl_vllm_ext._compat import (
+    module_derives_weights,
     module_has_experts,
     module_is_quantized,
     module_packs_weights,
@@ -70,8 +71,8 @@ def loads_in_place(model: torch.nn.Module) -> bool:
     True on GPU and for CPU models whose every linear kept its checkpoint layout (LoRA
     wrappers included: their base layers hold the weights); False
     when any CPU linear holds a packed copy (then only vLLM's reload re-derives it), the
-    model has fused MoE layers (their kernels keep the experts in a layout of their own)
-    or it is quantized.
+    model has fused MoE layers (their kernels keep the experts in a layout of their own),
+    layers that derive weights after loading (MLA attention) or it is quantized.
     """
     for module in model.modules():
         if isinstance(getattr(module, "base_layer", None), torch.nn.Module):
@@ -81,5 +82,7 @@ def loads_in_place(model: torch.nn.Module) -> bool:
         if module_packs_weights(module) and not getattr(module, _PLAIN_FLAG, False):
             return False
         if module_has_experts(module) or module_is_quantized(module):
+            return False
+        if module_derives_weights(module):
             return False
     return True

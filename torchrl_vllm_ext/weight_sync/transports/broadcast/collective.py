@@ -7,12 +7,15 @@ NCCL on CUDA, gloo on CPU: only the process-group class differs
 
 from __future__ import annotations
 
+import logging
 import socket
 from datetime import timedelta
 
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
+
+logger = logging.getLogger(__name__)
 
 
 def make_process_group(
@@ -43,7 +46,9 @@ def make_process_group(
     else:
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     if backend == "nccl":
-        pg = dist.ProcessGroupNCCL(store, rank, world_size)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout  # the push's deadline, not torch's 10-minute default
+        pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
     elif backend == "gloo":
         pg = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
     else:
@@ -51,6 +56,19 @@ def make_process_group(
             f"broadcast backend {backend!r} is not supported; use 'gloo' or 'nccl'."
         )
     return store, pg
+
+
+def end_group(backend: str, pg) -> None:
+    """Let a process group go. An NCCL group is aborted: NCCL's ``wait`` does not block
+    the host, so when a member dies the others' receive kernels spin on their GPUs until
+    the watchdog's timeout, which then tears the whole process (a vLLM worker) down;
+    aborting ends them now (the receive fails its checksums) and frees the communicator.
+    A gloo group goes with its last reference."""
+    if backend == "nccl" and pg is not None:
+        try:
+            pg.abort()
+        except Exception:  # already torn down: nothing left to free
+            logger.debug("aborting the NCCL weight-broadcast group failed", exc_info=True)
 
 
 def listen(host: str, port: int = 0) -> socket.socket:
@@ -108,5 +126,6 @@ class BroadcastGroup:
         return buf.device if buf.is_cuda else torch.device("cuda", torch.cuda.current_device())
 
     def close(self) -> None:
+        end_group(self.backend, self._pg)
         self._pg = None
         self._store = None

@@ -11,7 +11,10 @@ import torch
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.params import device_checksums
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json
-from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import make_process_group
+from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import (
+    end_group,
+    make_process_group,
+)
 from torchrl_vllm_ext.weight_sync.transports.packing import unpack
 
 logger = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ class BroadcastReceiver:
         self.close_weight_broadcast()
         rank = rank_offset + self.rank
         self._tvllm_group = make_process_group(backend, host, port, world_size, rank, timeout_s)
+        self._tvllm_backend = backend
         self._tvllm_device = (
             torch.device("cuda", torch.cuda.current_device())
             if backend == "nccl"
@@ -68,6 +72,7 @@ class BroadcastReceiver:
                 # The group is unusable now; the next push forms a new one.
                 if getattr(self, "_tvllm_group", None) is group:
                     self._tvllm_group = None
+                    end_group(self._tvllm_backend, group[1])
                 error = WeightSyncError(
                     f"broadcast of weight version {header.version} was cut off after "
                     f"{len(received)} of {len(header.buckets)} buckets ({type(e).__name__}: "
@@ -89,8 +94,12 @@ class BroadcastReceiver:
         return [item for bucket, buf in received for item in unpack(bucket, buf)]
 
     def close_weight_broadcast(self) -> bool:
+        """Leave the group (an NCCL one aborted: a receive stuck on a dead member ends)
+        and drop the receive buffers; whether it was in one."""
         group = getattr(self, "_tvllm_group", None)
         self._tvllm_group = None
+        if group is not None:
+            end_group(self._tvllm_backend, group[1])
         self.__dict__.pop("_tvllm_receive_buffers", None)
         return group is not None
 

@@ -132,6 +132,7 @@ class BroadcastTransport(Transport):
                     return
             if left <= 0:
                 waiting = sorted(rid for rid, w in ready.results.items() if not all(w))
+                self._drop_group()  # a collective may still be in flight on it
                 raise WeightSyncError(
                     f"broadcast of version {version} did not reach replica(s) {waiting} within "
                     f"its deadline of {limit:.1f}s ({self.deadline}); no replica loaded it. "

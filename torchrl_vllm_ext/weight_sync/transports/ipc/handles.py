@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import base64
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -118,8 +118,15 @@ def open_bucket(handle: CudaIpcHandle) -> torch.Tensor:
 
 
 class SharedBuckets:
-    """The trainer's side: each set of buckets shared once; the same handles for every push
-    re-packed into it (sets are told apart by their first buffer, held weakly).
+    """The trainer's side: each set of buckets shared once per receiving process; the same
+    handles for every push re-packed into it (sets are told apart by their first buffer,
+    held weakly).
+
+    Once per receiver, not once for all: each share gives the allocation a reference
+    counter set to 1, which the one process that maps it counts down when it unmaps;
+    torch frees the trainer's memory when it reaches 0. Two processes on one share would
+    take it below 0, and the memory would never be freed (or be freed while one still
+    maps it).
 
     Examples:
         >>> shared, calls = SharedBuckets(), []
@@ -127,22 +134,29 @@ class SharedBuckets:
         ...     calls.append(buf)
         ...     return f"handle-{len(calls)}"
         >>> buffers = [torch.zeros(4, dtype=torch.uint8)]
-        >>> shared.handles(buffers, fake_share), shared.handles(buffers, fake_share)
-        (('handle-1',), ('handle-1',))
+        >>> [shared.handles(buffers, r, fake_share) for r in ("r0", "r0", "r1")]
+        [('handle-1',), ('handle-1',), ('handle-2',)]
     """
 
     def __init__(self):
-        self._sets: dict[int, tuple[weakref.ref, int, tuple]] = {}
+        self._sets: dict[tuple, tuple[weakref.ref, int, tuple]] = {}
 
-    def handles(self, buffers: Sequence[torch.Tensor], share_fn: Callable | None = None) -> tuple:
+    def handles(
+        self,
+        buffers: Sequence[torch.Tensor],
+        receiver: Hashable,
+        share_fn: Callable | None = None,
+    ) -> tuple:
+        """The handles of ``buffers`` for ``receiver`` (one process: a replica id and pid)."""
         share_fn = share_fn or share
         self._sets = {k: v for k, v in self._sets.items() if v[0]() is not None}
         first = buffers[0]
-        known = self._sets.get(id(first))
+        key = (id(first), receiver)
+        known = self._sets.get(key)
         if known is not None and known[0]() is first and known[1] == len(buffers):
             return known[2]
         handles = tuple(share_fn(b) for b in buffers)
-        self._sets[id(first)] = (weakref.ref(first), len(buffers), handles)
+        self._sets[key] = (weakref.ref(first), len(buffers), handles)
         return handles
 
     def clear(self) -> None:

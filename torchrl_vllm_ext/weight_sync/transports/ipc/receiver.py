@@ -33,9 +33,10 @@ class IpcReceiver:
         """Drop this worker's mappings of the trainer's buckets (its transport closed: the
         trainer's GPU memory is freed once nobody maps it); whether it held any."""
         opened = self.__dict__.pop("_tvllm_ipc_buckets", None)
+        held = bool(opened)
         if opened is not None:
             opened.clear()
-        return bool(opened)
+        return held
 
     def _tvllm_open_ipc(self, update: IpcUpdate) -> list[tuple[str, torch.Tensor]]:
         # Buckets opened for an earlier update are mapped still: the trainer re-packs

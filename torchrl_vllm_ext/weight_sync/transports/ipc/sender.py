@@ -1,15 +1,15 @@
 """The CUDA IPC transport: replicas on the trainer's own GPU read its packed buckets in place.
 
 ``prepare``: 1) pack the tensors into buckets on the trainer's GPU (one device copy);
-2) share each bucket (:func:`.handles.share`) and send every replica one JSON update; its
-workers open the buckets and checksum them on the GPU in a background thread while the
+2) share each bucket (:func:`.handles.share`, once per replica process: torch's reference
+counts) and send every replica its JSON update; its workers open the buckets and checksum them on the GPU in a background thread while the
 engine keeps generating; 3) wait until every worker verified. In the pause the workers
 copy from the buckets into their parameters (``apply_staged_weights``): a device-to-device
 copy. The committed buckets stay alive for restarted replicas (``receive_weight_ipc``).
 
 The buckets are two sets, A and B (:class:`~..packing.PackSlots`), re-packed in place: the
 committed version's set stays intact while the other takes the next push, each set is
-shared once (the same handles in every update), and the workers keep their mappings of
+shared once per replica (the same handles in every update to it), and the workers keep their mappings of
 both (:class:`.handles.OpenedBuckets`), so no push opens new IPC handles; ``close`` has
 them unmap (``release_weight_ipc``).
 
@@ -62,10 +62,10 @@ class IpcTransport(Transport):
 
     def __init__(self, fleet, options: TransportOptions):
         super().__init__(fleet, options)
-        self._staged: tuple[str, Packed] | None = None  # (update JSON, the buckets it maps)
-        self._committed: tuple[str, Packed] | None = None
+        self._staged: Packed | None = None  # the buckets the replicas staged from
+        self._committed: Packed | None = None
         self._slots = PackSlots()  # the buckets, re-packed in place push after push
-        self._shared = SharedBuckets()  # their handles, shared once per set of buckets
+        self._shared = SharedBuckets()  # their handles, shared once per set and replica
 
     async def prepare(
         self,
@@ -82,19 +82,19 @@ class IpcTransport(Transport):
                     "CPU. Move the model to its GPU, or use transport='storage'."
                 )
             t0 = time.perf_counter()
-            committed = self._committed[1] if self._committed else None
             packed = await asyncio.to_thread(
-                self._slots.pack, tensors, version, self.options.bucket_bytes, committed
+                self._slots.pack, tensors, version, self.options.bucket_bytes, self._committed
             )
             phases["pack"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        update = self._share(packed)
+        updates = {r.replica_id: self._share(packed, r) for r in replicas}
         nbytes = packed.nbytes
-        staged = await self.fleet.call_all(
+        staged = await self.fleet.call_each(
+            lambda r: r.handle.collective_rpc.remote(
+                WorkerMethods.STAGE_IPC, (updates[r.replica_id],)
+            ),
+            replicas,
             "collective_rpc",
-            WorkerMethods.STAGE_IPC,
-            (update,),
-            replicas=replicas,
             deadline=self.deadline.answer_s,
         )
         raise_errors(staged, "stage", version)
@@ -102,32 +102,34 @@ class IpcTransport(Transport):
         await wait_staged(
             self.fleet, replicas, version, self.deadline.for_bytes(nbytes), self.deadline.answer_s
         )
-        self._staged = (update, packed)
+        self._staged = packed
         self.staged_in = {r.replica_id: "device" for r in replicas}
         phases["share"] = phases.get("share", 0.0) + time.perf_counter() - t0
         return calls_for(replicas, WorkerCall(WorkerMethods.APPLY_STAGED, (version,)))
 
-    def _share(self, packed: Packed) -> str:
-        """The JSON update of CUDA IPC handles to ``packed``'s buckets (a set shared before
-        keeps its handles: the workers find their mappings by them)."""
+    def _share(self, packed: Packed, replica) -> str:
+        """The JSON update of CUDA IPC handles to ``packed``'s buckets for ``replica`` (a
+        set shared with its process before keeps its handles: the workers find their
+        mappings by them; IPC replicas have one worker)."""
         torch.cuda.synchronize(packed.buffers[0].device)  # the buckets are complete first
-        handles = self._shared.handles(packed.buffers, share)
+        receiver = (replica.replica_id, replica.info.pid)
+        handles = self._shared.handles(packed.buffers, receiver, share)
         return to_json(IpcUpdate(packed.header, handles))
 
     async def commit(self, version: str) -> None:
         # The workers copied out of the buckets in their pause; the set of the previous
         # version takes the next push (re-packed in place: the workers keep its mappings).
         self._committed, self._staged = self._staged, None
-        self._slots.settle(self._committed[1] if self._committed else None)
+        self._slots.settle(self._committed)
 
     async def rollback(self, version: str) -> None:
         self._staged = None
 
     async def bring_up(self, replica, version: str, packed: Packed | None = None) -> None:
         if packed is not None and packed.version == version:
-            update = self._share(packed)  # the caller keeps the buckets alive
-        elif self._committed is not None and self._committed[1].version == version:
-            update = self._committed[0]
+            update = self._share(packed, replica)  # the caller keeps the buckets alive
+        elif self._committed is not None and self._committed.version == version:
+            update = self._share(self._committed, replica)  # a new process: its own share
         else:
             raise WeightSyncError(
                 f"no committed CUDA IPC update of version {version} to bring replica "
