@@ -201,3 +201,90 @@ def test_validate_checks_finiteness_in_one_batch():
     with pytest.raises(WeightSyncError, match="'b' contains NaN"):
         validate(broken, expected)
     validate(broken, expected, check_finite=False)  # left to the transport's copy pass
+
+
+# ---------------------------------------------------------------------- the IPC sender's shares
+class _Handle:
+    """A replica actor handle whose ``collective_rpc`` records the IPC updates it gets."""
+
+    def __init__(self, got: list):
+        self.collective_rpc = self
+        self.got = got
+
+    def remote(self, method, args=()):
+        async def answer():
+            self.got.append((method, *args))
+            return [True]
+
+        return answer()
+
+
+class _Fleet:
+    """The ready replicas and the two ways a transport calls them (a unit-test stand-in)."""
+
+    uses_gpu, workers_per_replica = True, 1
+
+    def __init__(self, views):
+        self.views = views
+
+    def ready(self):
+        return tuple(self.views)
+
+    async def call_each(self, call, replicas=None, what="call", timeout=None, deadline=None):
+        from torchrl_vllm_ext.engine.calls import Outcomes
+
+        return Outcomes(results={r.replica_id: await call(r) for r in replicas or self.views})
+
+    async def call_all(self, method, *args, replicas=None, timeout=None, deadline=None):
+        return await self.call_each(
+            lambda r: getattr(r.handle, method).remote(*args), replicas, method
+        )
+
+
+def test_each_ipc_replica_process_gets_its_own_share_kept_from_push_to_push(monkeypatch):
+    """The CUDA-only steps (share, synchronize) stood in: which process gets which handles."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from torchrl_vllm_ext.engine.fleet import ReplicaView
+    from torchrl_vllm_ext.protocol import WorkerMethods
+    from torchrl_vllm_ext.weight_sync.specs import IpcUpdate, from_json
+    from torchrl_vllm_ext.weight_sync.transports.ipc import sender
+    from torchrl_vllm_ext.weight_sync.transports.protocol import TransportOptions
+
+    shares = []
+
+    def fake_share(buf):
+        shares.append(buf)
+        return handle(len(shares), buf.numel())
+
+    monkeypatch.setattr(sender, "share", fake_share)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    got: dict[int, list] = {0: [], 1: []}
+
+    def view(rid, pid):
+        return ReplicaView(rid, _Handle(got[rid]), SimpleNamespace(pid=pid))
+
+    views = [view(0, 100), view(1, 101)]
+    transport = sender.IpcTransport(_Fleet(views), TransportOptions())
+
+    def updates(rid):
+        staged = [
+            a for m, *a in got[rid] if m in (WorkerMethods.STAGE_IPC, WorkerMethods.RECEIVE_IPC)
+        ]
+        return [from_json(a[0], IpcUpdate).handles for a in staged]
+
+    async def push(version, packed):
+        await transport.prepare({}, version, list(views), {}, packed=packed)
+        await transport.commit(version)
+
+    packed = pack(weights(1.0), "1", bucket_bytes=32)
+    asyncio.run(push("1", packed))
+    asyncio.run(push("2", pack(weights(2.0), "2", bucket_bytes=32, into=packed)))
+    n = len(packed.buffers)
+    assert len(shares) == 2 * n, "one share per bucket and replica process, kept"
+    assert updates(0)[0] == updates(0)[1] and updates(1)[0] == updates(1)[1]
+    assert updates(0)[0] != updates(1)[0]
+    views[0] = view(0, 200)  # replica 0 restarted: a new process
+    asyncio.run(transport.bring_up(views[0], "2"))
+    assert len(shares) == 3 * n and updates(0)[-1] not in updates(1)
