@@ -136,6 +136,19 @@ def test_staging_goes_to_the_device_when_it_keeps_the_headroom():
     assert staging_place(1_210_000_000, 3 * GIB, total) == "pinned"
     assert staging_place(1_210_000_000, 3 * GIB, total, held_bytes=1_210_000_000) == "device"
     assert staging_place(1_210_000_000, 100 * GIB, total, sleep_mode=True) == "pinned"
+    # Tensor parallel: every worker stages the whole push; 8 pinned copies of 140 GB do not
+    # fit a host with 1 TB free (half of it at most), 8 of 1.2 GB do.
+    big, host = 140 * GIB, 1000 * GIB
+    assert staging_place(big, 7 * GIB, total, host_free_bytes=host, copies_on_host=8) == "mapped"
+    assert staging_place(big, 7 * GIB, total, host_free_bytes=host, copies_on_host=1) == "pinned"
+    small = 1_210_000_000
+    assert staging_place(small, GIB, total, host_free_bytes=host, copies_on_host=8) == "pinned"
+    assert (  # a sleep-mode replica never stages on the GPU, but may read the slot
+        staging_place(
+            big, 100 * GIB, 1000 * GIB, sleep_mode=True, host_free_bytes=host, copies_on_host=8
+        )
+        == "mapped"
+    )
 
 
 def test_the_staging_area_is_reserved_once_per_layout_and_filled_in_place():

@@ -34,8 +34,9 @@ class SyncReport:
     """Per replica: mean |replica - trainer (float32)| log-prob over the probe (empty: not
     verified)."""
     staged_in: dict[int, str] = field(default_factory=dict)
-    """GPU replicas: where each staged the version before its pause (``device``, or
-    ``pinned`` host memory when its GPU lacked room)."""
+    """GPU replicas: where each staged the version before its pause (``device``,
+    ``pinned`` host memory when its GPU lacked room, or ``mapped``: not copied, the pause
+    read the storage slot, when a pinned copy per worker would not fit the host)."""
     probe_deferred: list[int] = field(default_factory=list)
     """Replicas loaded while paused or with their KV cache asleep: their value check runs
     when the service serves again (``resume`` / ``wake_up``), which raises if it fails."""

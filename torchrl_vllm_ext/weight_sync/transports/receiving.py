@@ -97,8 +97,14 @@ class Receiving:
         if "error" in staged:
             raise staged["error"]
         named = staged["result"]
-        # Staged in pinned host memory for a GPU: one batched non-blocking copy, one sync.
-        pinned = bool(named) and named[0][1].device.type == "cpu" and torch.cuda.is_available()
+        # Staged in pinned host memory for a GPU: one batched non-blocking copy, one sync
+        # (a slot's own pages, not pinned, copy as they come).
+        pinned = (
+            bool(named)
+            and named[0][1].device.type == "cpu"
+            and torch.cuda.is_available()
+            and named[0][1].is_pinned()
+        )
         return self._tvllm_load(named, version, non_blocking=pinned)
 
     def _tvllm_staged_for(self, version: str):

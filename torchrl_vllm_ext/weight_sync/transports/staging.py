@@ -1,7 +1,10 @@
 """Where a GPU worker stages an incoming version before its pause, and the buffer it stages
 in: on the device when the GPU has room beside vLLM's share (the pause is then a device
 copy, ~1 ms per GB), else in pinned host memory (one batched non-blocking host-to-device
-copy in the pause, ~20 ms per GB). Plain logic: the worker asks
+copy in the pause, ~20 ms per GB), else nowhere (``mapped``: the pause copies from the
+storage slot's pages, when pinning a copy per worker would take more than half the host's
+free memory: the workers of a tensor-parallel replica each stage the whole push). Plain
+logic: the worker asks
 ``torch.cuda.mem_get_info`` and follows :func:`staging_place`; :class:`StagingArea` is the
 buffer (unit-tested on CPU).
 
@@ -26,7 +29,7 @@ from typing import Literal
 
 import torch
 
-Place = Literal["device", "pinned"]
+Place = Literal["device", "pinned", "mapped"]
 
 GIB = 1 << 30
 ALIGN = 256
@@ -40,11 +43,19 @@ def headroom(total_bytes: int) -> int:
 
 
 def staging_place(
-    nbytes: int, free_bytes: int, total_bytes: int, held_bytes: int = 0, sleep_mode: bool = False
+    nbytes: int,
+    free_bytes: int,
+    total_bytes: int,
+    held_bytes: int = 0,
+    sleep_mode: bool = False,
+    host_free_bytes: int | None = None,
+    copies_on_host: int = 1,
 ) -> Place:
     """``device`` if ``nbytes`` of staging fit on the GPU with :func:`headroom` to spare
     (``held_bytes``: a device staging buffer this worker holds already, reused), else
-    ``pinned``; always ``pinned`` for a replica with ``sleep_mode`` (module docstring).
+    ``pinned``; never ``device`` for a replica with ``sleep_mode`` (module docstring).
+    ``mapped`` instead of ``pinned`` when ``copies_on_host`` pinned copies (the replica's
+    workers on this host) would take more than half of ``host_free_bytes``.
 
     Examples:
         >>> staging_place(1_200_000_000, free_bytes=8 * GIB, total_bytes=140 * GIB)
@@ -55,11 +66,15 @@ def staging_place(
         'device'
         >>> staging_place(1_200_000_000, 60 * GIB, 80 * GIB, sleep_mode=True)
         'pinned'
+        >>> staging_place(140 * GIB, 7 * GIB, 80 * GIB, host_free_bytes=1500 * GIB, copies_on_host=8)
+        'mapped'
     """
-    if sleep_mode:
-        return "pinned"
     need = max(0, nbytes - held_bytes)
-    return "device" if need + headroom(total_bytes) <= free_bytes else "pinned"
+    if not sleep_mode and need + headroom(total_bytes) <= free_bytes:
+        return "device"
+    if host_free_bytes is not None and nbytes * copies_on_host > host_free_bytes // 2:
+        return "mapped"
+    return "pinned"
 
 
 def _aligned(n: int) -> int:

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import logging
 
+import psutil
 import torch
 
 from torchrl_vllm_ext.weight_sync.transports.staging import headroom, staging_place
 from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotReader
 
 logger = logging.getLogger(__name__)
+
+_WHERE = {
+    "device": "on the device",
+    "pinned": "in pinned host memory",
+    "mapped": "not copied: the pause reads the storage slot",
+}
 
 
 class StorageReceiver:
@@ -42,7 +49,9 @@ class StorageReceiver:
         """GPU workers: copy the published slot of ``path`` (checksummed by the replica
         actor) to this worker's GPU, or to pinned host memory when the GPU lacks room, in a
         background thread while the engine keeps generating; ``load_staged_weights``
-        then copies it into the parameters in the pause. Returns where it stages."""
+        then copies it into the parameters in the pause. Where pinning a copy for each of
+        the replica's workers would take more than half the host's free memory, nothing
+        is copied (``mapped``): the pause reads the slot itself. Returns where it stages."""
         manifest, tensors = self._tvllm_reader(path).read(version, verify=False)
         device = torch.device("cuda", torch.cuda.current_device())
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -50,18 +59,31 @@ class StorageReceiver:
         held_bytes = area.device_bytes() if area is not None else 0
         free, total = torch.cuda.mem_get_info(device)
         sleep_mode = bool(self.vllm_config.model_config.enable_sleep_mode)
-        place = staging_place(nbytes, free, total, held_bytes, sleep_mode)
+        # Each worker of a tensor-parallel replica stages the whole push (its loader
+        # shards it): that many pinned copies on this host, at most.
+        copies = self.vllm_config.parallel_config.world_size
+        pinned_held = area.nbytes if area is not None and area.place == "pinned" else 0
+        host_free = psutil.virtual_memory().available + pinned_held * copies
+        place = staging_place(nbytes, free, total, held_bytes, sleep_mode, host_free, copies)
         if area is None or area.place != place:
             logger.info(
-                "weight staging of %.2f GB: %s (GPU free %.2f of %.2f GB, headroom %.2f GB%s)",
+                "weight staging of %.2f GB: %s (GPU free %.2f of %.2f GB, headroom %.2f GB%s; "
+                "host free %.1f GB for %d worker(s))",
                 nbytes / 1e9,
-                "on the device" if place == "device" else "in pinned host memory",
+                _WHERE[place],
                 free / 1e9,
                 total / 1e9,
                 headroom(total) / 1e9,
                 "; sleep mode keeps staging off the GPU" if sleep_mode else "",
+                host_free / 1e9,
+                copies,
             )
-        self._tvllm_stage(manifest.version, lambda: self._tvllm_copy_in(tensors, device, place))
+        if place == "mapped":
+            if area is not None:
+                area.release()  # a pinned copy of an earlier layout is of no use now
+            self._tvllm_stage(manifest.version, lambda: list(tensors.items()))
+        else:
+            self._tvllm_stage(manifest.version, lambda: self._tvllm_copy_in(tensors, device, place))
         return place
 
     def release_weight_storage(self, path: str) -> bool:

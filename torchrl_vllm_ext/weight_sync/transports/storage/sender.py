@@ -4,8 +4,9 @@
 checksums in one pass) and publishes its manifest atomically; 2) each replica actor
 checksums the published slot while its engine keeps generating; 3) on GPUs, each worker
 copies the slot to its staging buffer (reserved at the first sync and kept: on the device,
-or in pinned host memory when the GPU lacks room or the replica has sleep mode:
-:mod:`...staging`) in a background thread. In the pause the workers only copy in, by
+or in pinned host memory when the GPU lacks room or the replica has sleep mode, or not at
+all when a pinned copy per worker would not fit the host: :mod:`...staging`) in a
+background thread. In the pause the workers only copy in, by
 their load plan's replay (:mod:`...planned_load`): from the slot on CPUs
 (``apply_weights_from_storage(root, version)``), from the staging buffer on GPUs
 (``apply_staged_weights``).
@@ -138,9 +139,9 @@ class StorageTransport(Transport):
         )
         raise_errors(placed, "stage", version)
         replicas[:] = [r for r in replicas if r.replica_id in placed.results]
-        # A replica is as fast as its slowest worker: pinned if any worker is.
+        # A replica is as fast as its slowest worker: mapped, then pinned, if any worker is.
         self.staged_in = {
-            rid: "pinned" if "pinned" in places else "device"
+            rid: next((p for p in ("mapped", "pinned") if p in places), "device")
             for rid, places in placed.results.items()
         }
         await wait_staged(
