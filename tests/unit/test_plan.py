@@ -43,6 +43,25 @@ def test_mig_slices_stay_distinct_and_are_recognised():
     assert is_mig(mig) and not is_mig(A) and not is_mig(None)
 
 
+def test_a_process_on_a_mig_slice_reports_it_as_one(monkeypatch):
+    """torch gives a MIG slice's UUID bare; its device name says it is a slice."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from torchrl_vllm_ext.weight_sync.transports import devices
+
+    bare = A.replace("-", "")
+    names = ["NVIDIA A100-SXM4-40GB MIG 1g.5gb", "NVIDIA H100 80GB HBM3"]
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda i: SimpleNamespace(uuid=bare, name=names[i]),
+    )
+    assert devices.device_uuid(0) == f"mig-{A}" and is_mig(devices.device_uuid(0))
+    assert devices.device_uuid(1) == A
+
+
 def test_colocated_replica_gets_ipc_and_others_nccl():
     plan = plan_routes(TRAINER, {0: [Place("n1", A)], 1: [Place("n1", B)]})
     assert plan.routes() == {("ipc", 0): [0], ("nccl", 0): [1]}

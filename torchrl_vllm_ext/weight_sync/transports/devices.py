@@ -52,8 +52,13 @@ def is_mig(device: str | None) -> bool:
 
 
 def device_uuid(index: int) -> str | None:
-    """The normalised UUID of this process's CUDA device ``index``."""
-    return normalise_uuid(torch.cuda.get_device_properties(index).uuid)
+    """The normalised UUID of this process's CUDA device ``index`` (``mig-...`` for a MIG
+    slice: torch gives its UUID bare, and its name says what it is, "... MIG 1g.10gb")."""
+    props = torch.cuda.get_device_properties(index)
+    gpu = normalise_uuid(props.uuid)
+    if gpu is not None and not is_mig(gpu) and " MIG " in f" {props.name} ":
+        return f"mig-{gpu}"
+    return gpu
 
 
 def local_device_index(gpu: str) -> int:
