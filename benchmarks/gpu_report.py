@@ -43,9 +43,9 @@ PARTS = {
 }
 # name -> (script and arguments, its usual seconds on an H100/H200: vLLM starts ~90 s there)
 BENCHES = {
-    "start": (["benchmarks/bench_start.py"], 240),
+    "start": (["benchmarks/bench_start.py"], 210),  # H200 2026-11-27: 192 s
     "policy": (["benchmarks/bench_policy.py"], 240),
-    "sync": (["benchmarks/bench_sync.py", "--repeats", "{repeats}"], 240),  # traced pushes
+    "sync": (["benchmarks/bench_sync.py", "--repeats", "{repeats}"], 130),  # H200: 102 s
     "generate": (["benchmarks/bench_generate.py"], 200),
     "ceiling": (["benchmarks/bench_ceiling.py"], 60),
 }
