@@ -185,13 +185,16 @@ async def async_pause(llm, mode: PauseMode, clear_cache: bool) -> None:
     push's pause is then 20 ms longer than the load. The engine core's own call is what
     pauses (and, with ``clear_cache``, resets the prefix cache: no second RPC needed).
     """
-    core = llm.engine_core
-    pause = getattr(core, "pause_generation_async", None)  # 0.33
-    if pause is None:
-        pause = core.pause_scheduler_async  # 0.26-0.32
     if clear_cache:
         await llm.renderer.clear_mm_cache_async()
-    await pause(mode=mode, clear_cache=clear_cache)
+    await _core_pause(llm)(mode=mode, clear_cache=clear_cache)
+
+
+def _core_pause(llm):
+    """The engine core client's pause call: ``pause_generation_async`` (0.33) or
+    ``pause_scheduler_async`` (0.26-0.32)."""
+    core = llm.engine_core
+    return getattr(core, "pause_generation_async", None) or core.pause_scheduler_async
 
 
 async def pause_then(llm, mode: PauseMode, clear_cache: bool, then):
@@ -209,13 +212,9 @@ async def pause_then(llm, mode: PauseMode, clear_cache: bool, then):
 
     if mode == "wait":
         raise ValueError("pause_then cannot follow a 'wait' pause (it drains first).")
-    core = llm.engine_core
-    pause = getattr(core, "pause_generation_async", None)  # 0.33
-    if pause is None:
-        pause = core.pause_scheduler_async  # 0.26-0.32
     if clear_cache:
         await llm.renderer.clear_mm_cache_async()
-    paused = asyncio.ensure_future(pause(mode=mode, clear_cache=clear_cache))
+    paused = asyncio.ensure_future(_core_pause(llm)(mode=mode, clear_cache=clear_cache))
     await asyncio.sleep(0)  # the pause request leaves first
     try:
         return await then()

@@ -24,6 +24,17 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 PARAMS = {"max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 0, "prompt_logprobs": 0}
 
 
+def launch_with_engine_process(model) -> VLLMService:
+    """One replica whose ``AsyncLLM`` runs its engine core in a process of its own."""
+    return VLLMService.launch(
+        model,
+        num_replicas=1,
+        cpus_per_replica=CPUS_PER_REPLICA,
+        engine_process=True,
+        **ENGINE_KWARGS,
+    )
+
+
 def engine_children(svc) -> list[str]:
     names = []
     for rid in svc.replica_ids:
@@ -41,13 +52,7 @@ def test_async_engine_replica_gives_the_in_process_replicas_tokens_and_logprobs(
     in_process = service.generate_request_data(PROMPTS, PARAMS)
     assert engine_children(service) == [], "CPU replicas run their engine in the actor"
 
-    with VLLMService.launch(
-        tiny_model,
-        num_replicas=1,
-        cpus_per_replica=CPUS_PER_REPLICA,
-        engine_process=True,
-        **ENGINE_KWARGS,
-    ) as svc:
+    with launch_with_engine_process(tiny_model) as svc:
         assert len(engine_children(svc)) == 1, "AsyncLLM runs an engine-core process"
         separate = svc.generate_request_data(PROMPTS, PARAMS)
         # The client's ZMQ sockets and the engine core's rendezvous file live in the
@@ -75,13 +80,7 @@ def test_async_engine_replica_pauses_and_loads_in_one_call_and_stays_exact(tiny_
     round trip), then the label and the resume: while a batch generates, pushes traced and
     then replayed from the load plan land exactly, with ``abort`` and ``keep`` pauses."""
     trainer = load_trainer(tiny_model)
-    with VLLMService.launch(
-        tiny_model,
-        num_replicas=1,
-        cpus_per_replica=CPUS_PER_REPLICA,
-        engine_process=True,
-        **ENGINE_KWARGS,
-    ) as svc:
+    with launch_with_engine_process(tiny_model) as svc:
         paths = []
         for seed, pause_mode in enumerate(("abort", "abort", "keep"), start=1):
             with WeightSyncScheme(svc, transport="storage", pause_mode=pause_mode) as scheme:

@@ -87,7 +87,7 @@ class IpcTransport(Transport):
             )
             phases["pack"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        updates = {r.replica_id: self._share(packed, r) for r in replicas}
+        updates = self._updates(packed, replicas)
         nbytes = packed.nbytes
         staged = await self.fleet.call_each(
             lambda r: r.handle.collective_rpc.remote(
@@ -107,14 +107,20 @@ class IpcTransport(Transport):
         phases["share"] = phases.get("share", 0.0) + time.perf_counter() - t0
         return calls_for(replicas, WorkerCall(WorkerMethods.APPLY_STAGED, (version,)))
 
-    def _share(self, packed: Packed, replica) -> str:
-        """The JSON update of CUDA IPC handles to ``packed``'s buckets for ``replica`` (a
-        set shared with its process before keeps its handles: the workers find their
-        mappings by them; IPC replicas have one worker)."""
+    def _updates(self, packed: Packed, replicas: Replicas) -> dict[int, str]:
+        """Each replica's JSON update of CUDA IPC handles to ``packed``'s buckets (a set
+        shared with its process before keeps its handles: the workers find their mappings
+        by them; IPC replicas have one worker)."""
         torch.cuda.synchronize(packed.buffers[0].device)  # the buckets are complete first
-        receiver = (replica.replica_id, replica.info.pid)
-        handles = self._shared.handles(packed.buffers, receiver, share)
-        return to_json(IpcUpdate(packed.header, handles))
+        return {
+            r.replica_id: to_json(
+                IpcUpdate(
+                    packed.header,
+                    self._shared.handles(packed.buffers, (r.replica_id, r.info.pid), share),
+                )
+            )
+            for r in replicas
+        }
 
     async def commit(self, version: str) -> None:
         # The workers copied out of the buckets in their pause; the set of the previous
@@ -126,10 +132,10 @@ class IpcTransport(Transport):
         self._staged = None
 
     async def bring_up(self, replica, version: str, packed: Packed | None = None) -> None:
+        if packed is None or packed.version != version:
+            packed = self._committed  # else the caller's: it keeps the buckets alive
         if packed is not None and packed.version == version:
-            update = self._share(packed, replica)  # the caller keeps the buckets alive
-        elif self._committed is not None and self._committed.version == version:
-            update = self._share(self._committed, replica)  # a new process: its own share
+            update = self._updates(packed, [replica])[replica.replica_id]  # its own share
         else:
             raise WeightSyncError(
                 f"no committed CUDA IPC update of version {version} to bring replica "
