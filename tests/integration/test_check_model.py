@@ -11,8 +11,8 @@ import pytest
 
 from torchrl_vllm_ext.cli import build_parser
 from torchrl_vllm_ext.jobs import check_model, support_table
-from torchrl_vllm_ext.protocol import TEST_SKIP_LOAD_ENV
 from torchrl_vllm_ext.testing import make_tiny_model
+from torchrl_vllm_ext.testing.worker import BREAK_LOADS_ENV, TESTING_WORKER_EXTENSION
 
 from ..helpers import CPU_TRANSPORTS, CPUS_PER_REPLICA
 
@@ -53,13 +53,18 @@ def test_check_model_passes_phi3_served_in_bfloat16(tmp_path, capsys, ray_cluste
 def test_check_model_fails_a_push_that_does_not_arrive(tmp_path, capsys, ray_cluster, dtype):
     path = make_tiny_model(tmp_path / "qwen3", arch="qwen3", seed=2)
     # The replica's worker leaves one tensor out of the storage push's load.
-    os.environ[TEST_SKIP_LOAD_ENV] = "check-storage=model.layers.1.self_attn.o_proj.weight"
+    os.environ[BREAK_LOADS_ENV] = "check-storage=model.layers.1.self_attn.o_proj.weight"
     try:
-        code, result = run_check(
-            capsys, path, "--transports", "storage", "--dtype", dtype, "--output", tmp_path, "-v"
+        checked = check_model.check_model(
+            path,
+            transports=("storage",),
+            dtype=dtype,
+            cpus_per_replica=CPUS_PER_REPLICA,
+            worker_extension_cls=TESTING_WORKER_EXTENSION,
         )
+        code, result = int(not checked.ok), checked.to_json()
     finally:
-        del os.environ[TEST_SKIP_LOAD_ENV]
+        del os.environ[BREAK_LOADS_ENV]
     prefix = check_model.DTYPES[dtype]
     assert code == 1
     assert result["checks"][prefix + "serve"]["ok"] is True

@@ -37,8 +37,8 @@ from peft import PeftModel
 
 from torchrl_vllm_ext import AdapterSync, WeightSyncError, WeightSyncScheme
 from torchrl_vllm_ext.errors import ReplicaStartupError
-from torchrl_vllm_ext.protocol import WorkerMethods
 from torchrl_vllm_ext.testing import make_tiny_model
+from torchrl_vllm_ext.testing.worker import TESTING_WORKER_EXTENSION, TestingMethods
 from torchrl_vllm_ext.weight_sync.verify import reference
 
 from ..helpers import (
@@ -117,7 +117,12 @@ def cell(row: str, check: str, dtype: str = "float32"):
 def _start(row: str, path, dtype: str):
     """The family's replica, LoRA on; (service, start-up error, vLLM's LoRA refusal)."""
     spec = FAMILY_MATRIX[row]
-    options = {"num_replicas": 1, "health_check_interval": 0, "dtype": dtype}
+    options = {
+        "num_replicas": 1,
+        "health_check_interval": 0,
+        "dtype": dtype,
+        "worker_extension_cls": TESTING_WORKER_EXTENSION,  # checksums, plans off and on
+    }
     try:
         return launch(path, **options, **LORA_KWARGS), None, None
     except ReplicaStartupError as e:
@@ -247,14 +252,14 @@ def test_family_replayed_push_is_bitwise(family):
             scheme.push(w1, version=f"{row}-plan-1")  # traced, or replayed already
             perturb(trainer, seed=22)
             replayed = scheme.push(trainer, version=f"{row}-plan-2")
-            sums_replayed = worker_calls(service, WorkerMethods.CHECKSUMS)
+            sums_replayed = worker_calls(service, TestingMethods.CHECKSUMS)
             scheme.push(w1, version=f"{row}-plan-3")  # the parameters move away from W2
-            worker_calls(service, WorkerMethods.LOAD_PLAN, False)
+            worker_calls(service, TestingMethods.LOAD_PLAN, False)
             try:
                 loaded = scheme.push(trainer, version=f"{row}-plan-4")
             finally:
-                worker_calls(service, WorkerMethods.LOAD_PLAN, True)
-            sums_loaded = worker_calls(service, WorkerMethods.CHECKSUMS)
+                worker_calls(service, TestingMethods.LOAD_PLAN, True)
+            sums_loaded = worker_calls(service, TestingMethods.CHECKSUMS)
         paths = {w["path"] for ws in replayed.loads.values() for w in ws}
         expected = "replay" if spec.replays else "layerwise"
         assert paths == {expected}, replayed.loads

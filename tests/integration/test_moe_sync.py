@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from torchrl_vllm_ext import WeightSyncError, WeightSyncScheme
-from torchrl_vllm_ext.protocol import TEST_FAIL_HALF_WAY, TEST_SKIP_LOAD_ENV
 from torchrl_vllm_ext.testing import make_tiny_model
+from torchrl_vllm_ext.testing.worker import BREAK_LOADS_ENV, FAIL_HALF_WAY, TESTING_WORKER_EXTENSION
 
 from ..helpers import CPU_TRANSPORTS, assert_replicas_match, launch, perturb, wait_ready
 
@@ -33,9 +33,9 @@ def moe(request, tmp_path_factory, ray_cluster):
     path = make_tiny_model(tmp_path_factory.mktemp("moe") / arch, arch=arch, seed=1)
     # Set while the module runs: a replica restarted by one test breaks the next one's
     # load too (only these two versions; the restarts themselves load the served one).
-    os.environ[TEST_SKIP_LOAD_ENV] = f"{BROKEN}={SKIPPED},{HALF}={TEST_FAIL_HALF_WAY}"
+    os.environ[BREAK_LOADS_ENV] = f"{BROKEN}={SKIPPED},{HALF}={FAIL_HALF_WAY}"
     try:
-        service = launch(path, num_replicas=1)
+        service = launch(path, num_replicas=1, worker_extension_cls=TESTING_WORKER_EXTENSION)
         trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         schemes = {
             t: WeightSyncScheme(service, transport=t, verify="always") for t in CPU_TRANSPORTS
@@ -45,7 +45,7 @@ def moe(request, tmp_path_factory, ray_cluster):
             scheme.close()
         service.shutdown()
     finally:
-        del os.environ[TEST_SKIP_LOAD_ENV]
+        del os.environ[BREAK_LOADS_ENV]
 
 
 def checkpoint_tensors(model, out_dir) -> dict[str, torch.Tensor]:

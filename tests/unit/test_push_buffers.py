@@ -9,6 +9,12 @@ import pytest
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.weight_sync.loading.staging import (
+    GIB,
+    StagingArea,
+    headroom,
+    staging_place,
+)
 from torchrl_vllm_ext.weight_sync.params import (
     checksum,
     device_checksums,
@@ -19,12 +25,6 @@ from torchrl_vllm_ext.weight_sync.specs import CudaIpcHandle, TensorSpec
 from torchrl_vllm_ext.weight_sync.transports.broadcast.receiver import _buffer
 from torchrl_vllm_ext.weight_sync.transports.ipc.handles import OpenedBuckets, SharedBuckets
 from torchrl_vllm_ext.weight_sync.transports.packing import PackSlots, pack
-from torchrl_vllm_ext.weight_sync.transports.staging import (
-    GIB,
-    StagingArea,
-    headroom,
-    staging_place,
-)
 
 
 def weights(seed: float, dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -288,7 +288,7 @@ def test_each_ipc_replica_process_gets_its_own_share_kept_from_push_to_push(monk
         return [from_json(a[0], IpcUpdate).handles for a in staged]
 
     async def push(version, packed):
-        await transport.prepare({}, version, list(views), {}, packed=packed)
+        await transport.prepare({}, version, list(views), packed=packed)
         await transport.commit(version)
 
     packed = pack(weights(1.0), "1", bucket_bytes=32)

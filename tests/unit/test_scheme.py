@@ -17,6 +17,7 @@ from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.messages import ReplicaInfo
 from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
+    Prepared,
     Transport,
     TransportOptions,
     WorkerCall,
@@ -112,9 +113,9 @@ class FakeTransport(Transport):
         super().__init__(service, TransportOptions())
         self.events = []
 
-    async def prepare(self, tensors, version, replicas, phases, packed=None):
+    async def prepare(self, tensors, version, replicas, packed=None):
         self.events.append(("prepare", version, [r.replica_id for r in replicas]))
-        return calls_for(replicas, WorkerCall("load_it", (version,)))
+        return Prepared(calls_for(replicas, WorkerCall("load_it", (version,))))
 
     async def commit(self, version):
         self.events.append(("commit", version))

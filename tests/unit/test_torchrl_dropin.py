@@ -25,7 +25,7 @@ from torchrl_vllm_ext.weight_sync.sources import (
     full_push_source,
     merged_lora_state,
 )
-from torchrl_vllm_ext.weight_sync.versions import collector_next_version, next_version
+from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes, next_version, tracked_version
 
 from ..helpers import FakeService
 
@@ -155,10 +155,14 @@ def test_versions_follow_the_engine_and_the_collector():
     class Tracked:
         policy_version = 3
 
-    assert collector_next_version(Tracked(), 0) == 4
+    served = []
+    pushes = TorchRLPushes(lambda weights, version: served.append(version), lambda: "sft")
+    pushes.push("w", tracked_version(Tracked()))  # the collector moves to 4 after it
+    pushes.push("w")  # a label that is no integer: this adapter's count + 1
+    assert served == ["4", "2"] and pushes.count == 2
     Tracked.policy_version = "uuid-1"
     with pytest.raises(ConfigurationError, match="integer versions"):
-        collector_next_version(Tracked(), 0)
+        tracked_version(Tracked())
 
 
 def test_update_iterator_is_checked_and_decoder_names_mapped():

@@ -16,7 +16,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from torchrl_vllm_ext.errors import ConfigurationError
-from torchrl_vllm_ext.weight_sync.versions import collector_next_version
+from torchrl_vllm_ext.weight_sync.torchrl_pushes import tracked_version
 
 with warnings.catch_warnings():
     # NOTE: subclassing WeightUpdaterBase warns that it is deprecated in favour of
@@ -61,15 +61,16 @@ with warnings.catch_warnings():
         def __init__(self, scheme):
             self.scheme = scheme
             self.last_report = None
-            self._pushes = 0
+
+        @property
+        def pushes(self):
+            """The scheme's TorchRL adapter (versions and their one counter), or in a
+            process the updater was shipped to, the owner's, forwarded."""
+            return self.scheme if isinstance(self.scheme, ForwardedPush) else self.scheme.torchrl
 
         # NOTE: no ``register_post_hook(collector.increment_version)`` here, unlike
         # torchrl's vLLMUpdater: Collector.update_policy_weights_ already increments
         # after the push, and a post-hook would bump twice per update.
-
-        def next_version(self) -> int:
-            """The version the next push is served as."""
-            return collector_next_version(self.collector, self._pushes)
 
         def all_worker_ids(self) -> None:
             # One push reaches every replica of the service: no per-worker loop.
@@ -86,27 +87,20 @@ with warnings.catch_warnings():
             )
 
         def _sync_weights_with_worker(self, *, worker_id=None, server_weights) -> None:
-            self.last_report = self.scheme.push(server_weights, version=self.next_version())
-            self._pushes += 1
+            self.last_report = self.pushes.push(server_weights, tracked_version(self.collector))
 
         def __reduce__(self):
             # Shipped into a Ray actor (TorchRL's RayLLMCollector): the owner of the
             # service exports the scheme's push, which the copy calls through the service.
-            scheme = self.scheme
-            if not isinstance(scheme, ForwardedPush):
-                scheme = ForwardedPush(scheme.service, scheme.service.export(scheme.push))
-            return _rebuild, (scheme, self._pushes)
-
-
-def _rebuild(scheme, pushes: int) -> WeightSyncUpdater:
-    updater = WeightSyncUpdater(scheme)
-    updater._pushes = pushes
-    return updater
+            pushes = self.pushes
+            if not isinstance(pushes, ForwardedPush):
+                pushes = ForwardedPush(self.scheme.service, self.scheme.service.export(pushes.push))
+            return WeightSyncUpdater, (pushes,)
 
 
 class ForwardedPush:
-    """A scheme's ``push`` in another process: run by the service's owner with the scheme
-    it exported (the weights travel to the owner, which pushes and versions them).
+    """A scheme's TorchRL pushes in another process: run by the service's owner with the
+    adapter it exported (the weights travel to the owner, which versions and pushes them).
 
     Args:
         service: the service (a handle, in the process that pushes).
@@ -117,8 +111,8 @@ class ForwardedPush:
         self.service = service
         self.key = key
 
-    def push(self, weights, version):
-        return self.service.call_exported(self.key, weights, version=version)
+    def push(self, weights, policy_version: int | None = None):
+        return self.service.call_exported(self.key, weights, policy_version)
 
 
 __all__ = ["ForwardedPush", "WeightSyncUpdater"]

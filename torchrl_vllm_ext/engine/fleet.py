@@ -50,6 +50,11 @@ class ReplicaView:
         """The Ray node IP the replica runs on."""
         return self.info.node_ip
 
+    @property
+    def process(self) -> str:
+        """The actor process serving it (``node:pid``): a restarted replica is another."""
+        return f"{self.info.node_ip}:{self.info.pid}"
+
 
 class WeightsProvider(Protocol):
     """What brings a (re)started replica to the live weights (a weight-sync scheme).

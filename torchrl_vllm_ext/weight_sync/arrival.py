@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
-from torchrl_vllm_ext.engine.driver.pool import Outcomes
+from torchrl_vllm_ext.engine.calls import Outcomes
 from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.transports.protocol import Replicas
 from torchrl_vllm_ext.weight_sync.verify import (
@@ -31,6 +32,48 @@ from torchrl_vllm_ext.weight_sync.verify import (
 logger = logging.getLogger(__name__)
 
 VERIFY = ("first", "always", "never")
+
+
+@dataclass
+class Verdict:
+    """The value check of one group of loaded replicas (a value: the caller decides)."""
+
+    gaps: dict[int, float] = field(default_factory=dict)
+    """Replicas that passed -> their mean probe gap."""
+    failed: dict[int, Exception] = field(default_factory=dict)
+    """Replicas that failed (a gap past the limit, or a probe error) -> why; those that
+    served weights nobody pushed are discarded (restarted) by the check already."""
+    dead: dict[int, Exception] = field(default_factory=dict)
+    """Replicas that died or left the pool between their load and the probe."""
+    deferred: set[int] = field(default_factory=set)
+    """Replicas that could not run the probe now (paused, or asleep): checked later."""
+    seconds: float = 0.0
+    """How long the probes took."""
+
+    def applied_to(self, loaded: Outcomes) -> Outcomes:
+        """``loaded`` as the check leaves it: failed replicas among the errors, the dead
+        among the dead, each passing replica's result with its ``probe_gap``."""
+        out = Outcomes(
+            results=dict(loaded.results), errors=dict(loaded.errors), dead=dict(loaded.dead)
+        )
+        for rid in list(out.results):
+            if rid in self.failed or rid in self.dead:
+                del out.results[rid]
+            elif rid in self.gaps:
+                out.results[rid] = {**out.results[rid], "probe_gap": self.gaps[rid]}
+        out.errors.update(self.failed)
+        out.dead.update(self.dead)
+        return out
+
+
+@dataclass
+class Deferred:
+    """A verified push's check of the replicas that could not run the probe yet, run when
+    the service serves again."""
+
+    version: str
+    expected: Reference
+    replicas: set[int]
 
 
 class ArrivalCheck:
@@ -57,9 +100,8 @@ class ArrivalCheck:
         self.service = service
         self.names = names
         self.verified_pushes = 0
-        # A verified push's check of the replicas that could not run the probe yet:
-        # (version, trainer's reference, replica ids), run when the service serves again.
-        self.deferred: tuple[str, Reference, set[int]] | None = None
+        self.deferred: Deferred | None = None
+        """The check of replicas that could not run the probe yet, if any."""
         self._probe = probe_ids(service.config.model)
         self._reference_model: ReferenceModel | None = None
 
@@ -90,20 +132,18 @@ class ArrivalCheck:
     def supersede(self) -> None:
         """A new push starts: its own check covers the replicas a deferred one waits for."""
         if self.deferred is not None:
-            logger.info("version %s: its deferred value check is superseded", self.deferred[0])
+            logger.info("version %s: its deferred value check is superseded", self.deferred.version)
             self.deferred = None
 
-    def start_reference(
-        self, weights, tensors, phases: dict, replicas: Replicas
-    ) -> asyncio.Future | None:
-        """The trainer's :class:`Reference` for the probe, computed in a thread while the
-        bytes move (``weights``: the module that may score them itself, else None); None
-        when this push is not checked."""
+    def start_reference(self, weights, tensors, replicas: Replicas) -> asyncio.Future | None:
+        """The trainer's :class:`Reference` for the probe and the seconds it took,
+        computed in a thread while the bytes move (``weights``: the module that may score
+        them itself, else None); None when this push is not checked."""
         if self.mode == "never" or (self.mode == "first" and self.verified_pushes):
             return None
         dtype = self.served_dtype(replicas)
 
-        def run() -> Reference:
+        def run() -> tuple[Reference, float]:
             t0 = time.perf_counter()
             if plain_causal_lm(weights):
                 out = reference(weights, self._probe, dtype)
@@ -113,23 +153,25 @@ class ArrivalCheck:
                         self.service.config.model, self.names.checkpoint_writers
                     )
                 out = self._reference_model.reference(tensors, self._probe, dtype)
-            phases["reference"] = time.perf_counter() - t0
-            return out
+            return out, time.perf_counter() - t0
 
         return asyncio.ensure_future(asyncio.to_thread(run))
 
-    async def check(self, loaded: Outcomes, expected, version: str, phases: dict) -> None:
-        """Every loaded replica scores the probe; a mismatch moves it to the errors and
-        restarts it (it serves weights nobody pushed). A replica paused or with its KV
+    async def check(self, loaded: Outcomes, expected, version: str) -> Verdict:
+        """Every loaded replica scores the probe; one whose log-probs differ fails and is
+        restarted (it serves weights nobody pushed). A replica paused or with its KV
         cache asleep cannot run the probe now: its check is deferred
         (:meth:`check_deferred`)."""
+        verdict = Verdict()
         if expected is None or not loaded.results:
-            return
+            return verdict
         later = {rid for rid, r in loaded.results.items() if not r.get("probe_now", True)}
+        verdict.deferred = later
         if later:
             # One push's groups (rolling: one replica each) add to the same check.
-            earlier = self.deferred[2] if self.deferred and self.deferred[0] == version else set()
-            self.deferred = (version, expected, later | earlier)
+            same = self.deferred is not None and self.deferred.version == version
+            earlier = self.deferred.replicas if same else set()
+            self.deferred = Deferred(version, expected, later | earlier)
             logger.info(
                 "version %s: value check of replica(s) %s deferred until they serve "
                 "(paused or asleep)",
@@ -142,31 +184,29 @@ class ArrivalCheck:
             v for v in pool.ready() if v.replica_id in loaded.results and v.replica_id not in later
         ]
         probes = await pool.call_all("probe_logprobs", self._probe, replicas=views)
-        loaded.dead.update(probes.dead)
-        for rid, cause in probes.errors.items():
-            loaded.errors[rid] = cause
-        for rid in list(loaded.results):
-            if rid in later:
+        verdict.dead.update(probes.dead)
+        verdict.failed.update(probes.errors)
+        for rid in loaded.results:
+            if rid in later or rid in probes.errors or rid in probes.dead:
                 continue
-            if rid not in probes.results:  # died or failed since its load: not verified
-                del loaded.results[rid]
-                if rid not in probes.errors and rid not in probes.dead:
-                    loaded.dead[rid] = ReplicaDeadError(
-                        f"replica {rid} left the pool before version {version} was verified."
-                    )
+            if rid not in probes.results:  # left the pool since its load: not verified
+                verdict.dead[rid] = ReplicaDeadError(
+                    f"replica {rid} left the pool before version {version} was verified."
+                )
                 continue
             gap = mean_gap(expected.logprobs, probes.results[rid])
             # The noise is named in a refusal only where the limit was derived from it.
             noise = expected.noise if self.tol is None else 0.0
             result = ProbeResult(rid, gap, self.limit(expected), noise)
-            loaded.results[rid]["probe_gap"] = result.gap
-            if not result.ok:
-                error = result.error(version)
-                logger.error("%s", error)
-                del loaded.results[rid]
-                loaded.errors[rid] = error
-                pool.discard(next(v for v in views if v.replica_id == rid), error, "verification")
-        phases["verify"] = phases.get("verify", 0.0) + time.perf_counter() - t0
+            if result.ok:
+                verdict.gaps[rid] = result.gap
+                continue
+            error = result.error(version)
+            logger.error("%s", error)
+            verdict.failed[rid] = error
+            pool.discard(next(v for v in views if v.replica_id == rid), error, "verification")
+        verdict.seconds = time.perf_counter() - t0
+        return verdict
 
     async def check_deferred(self, ready, live_version: str | None) -> None:
         """The check a push deferred, once the service serves again (the scheme runs it,
@@ -175,15 +215,15 @@ class ArrivalCheck:
         version)."""
         if self.deferred is None:
             return
-        version, expected, rids = self.deferred
-        self.deferred = None
+        deferred, self.deferred = self.deferred, None
+        version = deferred.version
         if version != live_version:  # a later push superseded it
             return
-        serving = {v.replica_id for v in ready} & rids
+        serving = {v.replica_id for v in ready} & deferred.replicas
         checked = Outcomes(results={rid: {} for rid in sorted(serving)})
-        await self.check(checked, expected, version, {})
-        if checked.errors:
-            rid, error = next(iter(checked.errors.items()))
+        verdict = await self.check(checked, deferred.expected, version)
+        if verdict.failed:
+            rid, error = next(iter(verdict.failed.items()))
             raise WeightSyncError(
                 f"deferred value check of version {version} failed on replica {rid}: "
                 f"{error}; it is restarted at version {version}."

@@ -20,7 +20,6 @@ from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.params import expected_specs, torch_dtype
 from torchrl_vllm_ext.weight_sync.report import SyncReport
 from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme
-from torchrl_vllm_ext.weight_sync.versions import next_version
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +78,6 @@ class EngineUpdates:
     def __init__(self, service):
         self.service = service
         self._scheme: WeightSyncScheme | None = None
-        self._pushes = 0
         self.last_report: SyncReport | None = None
 
     @property
@@ -96,17 +94,16 @@ class EngineUpdates:
         return ray.util.get_node_ip_address()
 
     def master_port(self) -> int:
-        group = getattr(self._scheme.transport_impl, "group", None) if self._scheme else None
-        return group.port if group is not None else 0
+        """The port of the scheme's broadcast group once formed, else 0."""
+        port = self._scheme.transport_impl.group_port if self._scheme is not None else None
+        return port or 0
 
     def connect(self) -> None:
         self.service.run(self.scheme.aconnect())
 
     def update(self, weights: Iterable) -> SyncReport:
         tensors = decoder_names_to_checkpoint(collect(weights), self.scheme.expected)
-        version = next_version(self.service.weight_version, self._pushes)
-        self.last_report = self.scheme.push(tensors, version)
-        self._pushes += 1
+        self.last_report = self.scheme.torchrl.push(tensors)
         return self.last_report
 
     def close(self) -> None:

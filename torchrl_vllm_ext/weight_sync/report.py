@@ -50,7 +50,7 @@ class SyncReport:
     """Per replica, per worker: how it loaded (``path``: ``replay`` of its load plan,
     ``trace`` on the first push of a layout, ``loader``, or ``layerwise`` for MoE /
     quantized / CPU-packed models; ``nbytes``, ``replayed_bytes``, ``why``:
-    :class:`~torchrl_vllm_ext.weight_sync.transports.planned_load.LoadReport`)."""
+    :class:`~torchrl_vllm_ext.weight_sync.loading.planned.LoadReport`)."""
 
     @property
     def gb_per_s(self) -> float:

@@ -45,11 +45,11 @@ from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames
 from torchrl_vllm_ext.weight_sync.params import expected_specs, torch_dtype, validate
 from torchrl_vllm_ext.weight_sync.report import SyncReport
 from torchrl_vllm_ext.weight_sync.sources import PushSource, full_push_source
+from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes, tracked_version
 from torchrl_vllm_ext.weight_sync.transports import registry
 from torchrl_vllm_ext.weight_sync.transports.packing import DEFAULT_BUCKET_BYTES
 from torchrl_vllm_ext.weight_sync.transports.protocol import Replicas, TransportOptions
 from torchrl_vllm_ext.weight_sync.verify import Reference
-from torchrl_vllm_ext.weight_sync.versions import collector_next_version
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +178,9 @@ class WeightSyncScheme:
         self.model_id: str | None = None  # TorchRL's sender state (init_on_sender)
         self._context = None
         self._model = None
-        self._sends = 0
+        self.torchrl = TorchRLPushes(self.push, lambda: self.service.weight_version)
+        """Every push from TorchRL's entry points (this scheme's hooks, the updater, the
+        engine calls), versioned in one place."""
         self.initialized_on_sender = False
         self.synchronized_on_sender = False
         logger.info("weight sync transport: %s (%s)", name, self.reason)
@@ -250,14 +252,16 @@ class WeightSyncScheme:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         phases = {"validate": time.perf_counter() - start}
-        replicas = list(self.service.pool.ready())
-        reference = arrival.start_reference(source.scorer, tensors, phases, replicas)
+        ready = list(self.service.pool.ready())
+        reference = arrival.start_reference(source.scorer, tensors, ready)
         try:
-            calls = await transport.prepare(tensors, version, replicas, phases)  # 2) transfer
+            prepared = await transport.prepare(tensors, version, ready)  # 2) transfer
         except BaseException:
             if reference is not None:
                 await asyncio.gather(reference, return_exceptions=True)
             raise
+        phases.update(prepared.phases)
+        replicas = prepared.reached(ready)
         if not replicas:
             if reference is not None:
                 await asyncio.gather(reference, return_exceptions=True)
@@ -266,10 +270,12 @@ class WeightSyncScheme:
                 f"every replica died while version {version} was sent; nothing serves it. "
                 "The service restarts them at the previous version; push again."
             )
-        expected = await self._reference_or_rollback(reference, version)
+        expected = await self._reference_or_rollback(reference, version, phases)
         t_apply = time.perf_counter()
-        loads = await self._apply(replicas, calls, version, nbytes, expected, phases)  # 3) + 4)
-        phases["apply"] = time.perf_counter() - t_apply
+        loads, verify_s = await self._apply(replicas, prepared.calls, version, nbytes, expected)
+        phases["apply"] = time.perf_counter() - t_apply  # 3) + 4)
+        if expected is not None:
+            phases["verify"] = verify_s
         phases["load"] = max((t["load_s"] for t in loads.results.values()), default=0.0)
         if not loads.results:  # 5) commit or roll back
             await transport.rollback(version)
@@ -283,7 +289,7 @@ class WeightSyncScheme:
             raise self._load_error(loads, version, loaded=sorted(loads.results))
         pauses = {rid: t["pause_s"] for rid, t in loads.results.items()}
         gaps = {rid: t["probe_gap"] for rid, t in loads.results.items() if "probe_gap" in t}
-        deferred = sorted(arrival.deferred[2]) if arrival.deferred else []
+        deferred = sorted(arrival.deferred.replicas) if arrival.deferred else []
         reports = {rid: list(t.get("loads", [])) for rid, t in loads.results.items()}
         return SyncReport(
             version,
@@ -293,7 +299,7 @@ class WeightSyncScheme:
             pauses,
             phases,
             gaps,
-            dict(transport.staged_in),
+            prepared.staged_in,
             deferred,
             probe_limit=arrival.limit(expected) if expected is not None else None,
             probe_noise=expected.noise if expected is not None else None,
@@ -307,13 +313,16 @@ class WeightSyncScheme:
             tensors = self.names.to_checkpoint(tensors, source.module)
         return tensors
 
-    async def _reference_or_rollback(self, reference, version: str) -> Reference | None:
+    async def _reference_or_rollback(
+        self, reference, version: str, phases: dict
+    ) -> Reference | None:
         """The trainer's probe log-probs, awaited before any replica loads: a model the
         check cannot run fails the push while every replica still serves its weights."""
         if reference is None:
             return None
         try:
-            return await reference
+            expected, phases["reference"] = await reference
+            return expected
         except Exception as e:
             await self.transport_impl.rollback(version)
             raise WeightSyncError(
@@ -350,8 +359,9 @@ class WeightSyncScheme:
         version: str,
         nbytes: int,
         expected=None,
-        phases: dict | None = None,
-    ) -> Outcomes:
+    ) -> tuple[Outcomes, float]:
+        """3) + 4): every replica's pause call, then the value check of those that loaded;
+        the outcomes and the seconds the checks took."""
         # "wait" drains running requests first: no bound on that part of the pause.
         deadline = None if self.pause_mode == "wait" else self.deadline.for_bytes(nbytes)
 
@@ -361,7 +371,7 @@ class WeightSyncScheme:
                 mine.method, mine.args, version, self.pause_mode
             )
 
-        async def load(group: Replicas) -> Outcomes:
+        async def load(group: Replicas) -> tuple[Outcomes, float]:
             loaded = await self.service.pool.call_each(
                 update, group, "update_weights", deadline=deadline
             )
@@ -369,22 +379,21 @@ class WeightSyncScheme:
                 cause = loaded.errors.get(view.replica_id)
                 if isinstance(cause, PartialLoadError):  # the pool logs it with the restart
                     self.service.pool.discard(view, cause, "partial load")
-            await self.arrival.check(
-                loaded, expected, version, phases if phases is not None else {}
-            )
-            return loaded
+            verdict = await self.arrival.check(loaded, expected, version)
+            return verdict.applied_to(loaded), verdict.seconds
 
         if self.rollout == "parallel":
             return await load(replicas)
-        out = Outcomes()  # rolling: one replica at a time, the others keep serving
+        out, seconds = Outcomes(), 0.0  # rolling: one replica at a time, the others serve
         for one in replicas:
-            step = await load([one])
+            step, step_s = await load([one])
+            seconds += step_s
             out.results.update(step.results)
             out.dead.update(step.dead)
             out.errors.update(step.errors)
             if step.errors:
                 break
-        return out
+        return out, seconds
 
     @staticmethod
     def _load_error(loads: Outcomes, version: str, loaded: list[int]) -> WeightSyncError:
@@ -457,9 +466,7 @@ class WeightSyncScheme:
                 "update_policy_weights_(model)) or init_on_sender(model=...)."
             )
         collector = self._context() if self._context is not None else None
-        report = self.push(weights, collector_next_version(collector, self._sends))
-        self._sends += 1
-        return report
+        return self.torchrl.push(weights, tracked_version(collector))
 
     def init_on_receiver(self, *args, **kwargs) -> None:
         raise ConfigurationError(

@@ -25,7 +25,7 @@ from torchrl_vllm_ext import _compat
 from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT
 from torchrl_vllm_ext.engine import placement
 from torchrl_vllm_ext.errors import InsufficientResourcesError
-from torchrl_vllm_ext.protocol import LOAD_PLAN_ENV, PACKED_WEIGHTS_ENV, TEST_SKIP_LOAD_ENV
+from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV, SETTINGS_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -214,8 +214,7 @@ def start_lock_key(devices: tuple[str, str]) -> tuple[str, str]:
 
 def live_nodes() -> list[placement.Node]:
     """The cluster's live nodes with their free resources, in Ray's order."""
-    # A DeveloperAPI: Ray's public API has free resources for the whole cluster only.
-    free = ray._private.state.available_resources_per_node()
+    free = _compat.free_resources_per_node()
     return [
         placement.Node(ip=n["NodeManagerAddress"], free=dict(free.get(n["NodeID"], {})))
         for n in ray.nodes()
@@ -308,12 +307,13 @@ def process_env(res: ReplicaResources, config) -> dict[str, str | None]:
       the model loads (the worker extension keeps CPU weights in checkpoint layout unless it is set).
 
     On GPU, vLLM's defaults (Ray sets OMP_NUM_THREADS for its workers: unset it).
-    On both, ``TORCHRL_VLLM_LOAD_PLAN`` (:data:`~torchrl_vllm_ext.protocol.LOAD_PLAN_ENV`)
-    reaches the workers when the driver sets it.
+    On both, every ``TORCHRL_VLLM_*`` setting of the driver's environment reaches the
+    workers (:data:`~torchrl_vllm_ext.protocol.SETTINGS_PREFIX`: ``TORCHRL_VLLM_LOAD_PLAN``,
+    a test extension's settings).
     """
-    passed = {LOAD_PLAN_ENV: os.environ[LOAD_PLAN_ENV]} if LOAD_PLAN_ENV in os.environ else {}
+    passed = {k: v for k, v in os.environ.items() if k.startswith(SETTINGS_PREFIX)}
     if res.use_gpu:
-        return {"OMP_NUM_THREADS": None, **passed}
+        return {**passed, "OMP_NUM_THREADS": None}
     node_cpus = max(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"])
     if res.cpus >= node_cpus:
         threads = max(1, math.floor(node_cpus) - 1)
@@ -325,9 +325,7 @@ def process_env(res: ReplicaResources, config) -> dict[str, str | None]:
     }
     if res.num_workers == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # AsyncLLM keeps its engine-core process
-    if TEST_SKIP_LOAD_ENV in os.environ:  # a test's broken load (protocol.TEST_SKIP_LOAD_ENV)
-        env[TEST_SKIP_LOAD_ENV] = os.environ[TEST_SKIP_LOAD_ENV]
-    return {**env, **passed}
+    return {**passed, **env}  # the config decides what it sets
 
 
 def in_process_engine(res: ReplicaResources, config) -> bool:

@@ -452,12 +452,13 @@ class ReplicaPool(ReplicaCalls):
             f"{self.weight_version}."
         )
 
-    async def report_death(self, replica_id: int, actor_id: str, cause: str, what: str) -> None:
-        """A service handle in another process found replica ``replica_id`` (Ray actor
-        ``actor_id``, hex) dead during ``what``: the death policy, as for our own calls (a
-        report about an actor already replaced is old news)."""
+    async def report_death(self, replica_id: int, process: str, cause: str, what: str) -> None:
+        """A service handle in another process found replica ``replica_id`` (its actor
+        process ``node:pid``, :attr:`ReplicaView.process`) dead during ``what``: the death
+        policy, as for our own calls (a report about a process already replaced is old
+        news)."""
         rec = self._records.get(replica_id)
-        if rec is not None and rec.actor is not None and rec.actor._actor_id.hex() == actor_id:
+        if rec is not None and rec.info is not None and rec.view().process == process:
             self._died(rec.view(), ReplicaDeadError(cause), f"{what} (seen by a handle)")
 
     def discard(self, view: ReplicaView, error: BaseException, what: str) -> None:

@@ -90,9 +90,15 @@ class VLLMService:
         8
     """
 
-    def __init__(self, config: ServiceConfig, pool: ReplicaPool | HandlePool | None = None):
+    def __init__(
+        self,
+        config: ServiceConfig,
+        pool: ReplicaPool | HandlePool | None = None,
+        name: str | None = None,
+    ):
         self.config = config
-        self.name = f"tvllm-{uuid.uuid4().hex[:8]}"
+        self.name = name or f"tvllm-{uuid.uuid4().hex[:8]}"
+        """Unique per service object (a handle's too): the prefix of its request ids."""
         self._loop = LoopThread(self.name)
         self.pool = pool if pool is not None else ReplicaPool(config, self.name)
         """The replicas (what weight-sync transports are given)."""
@@ -176,6 +182,33 @@ class VLLMService:
         await self.pool.start(self.config.num_replicas, "starting vLLM replicas")
         await importing
         self.pool.start_health_checks()
+
+    def follow(self, link, adapters) -> None:
+        """A handle's set-up (``links.attach``): owner-only calls go through ``link``
+        (a ``HandleLink``); serve ``adapters`` and every change the owner publishes."""
+        self._link = link
+        self._adapters.replace(adapters)
+        self.pool.on_adapters(self._adapters.replace)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`shutdown` ran (or the process's exit closed it)."""
+        return self._closed
+
+    def close_after_ray(self) -> None:
+        """At exit, when Ray was shut down first (its replicas were killed with it): mark
+        the service closed and remove their temporary directories once they are gone."""
+        self._closed = True
+        leftovers.reap_when_gone(self.pool.temp_dirs())
+
+    @property
+    def reserved_port(self) -> int:
+        """The TCP port the owner reserved at launch and holds until it shuts down."""
+        if not isinstance(self._link, links.OwnerLink):
+            raise ServiceClosedError(
+                f"service {self.name}: only the process that launched it holds its port."
+            )
+        return self._link.port.port
 
     def shutdown(self) -> None:
         """The owner stops every replica and releases its actor, placement group and port;

@@ -155,7 +155,7 @@ class TorchRLEngine:
         before that (and with the storage transport) a port the service reserved at launch
         and holds until it shuts down."""
         group_port = self.updates.master_port() if self.updates is not None else 0
-        return group_port or self.service._link.port.port
+        return group_port or self.service.reserved_port
 
     def init_weight_update_group(self) -> None:
         """Make the scheme TorchRL's pushes go through and, for a broadcast, form its group

@@ -127,11 +127,9 @@ def serve(service, kind: str, payload) -> Any:
 def attach(cls: type, config, directory_actor, table, owner: str):
     """A handle to a running service, in this process (what unpickling a service runs)."""
     pool = HandlePool(config, directory_actor, table)
-    svc = cls(config, pool)
-    svc.name = f"{owner}-h{uuid.uuid4().hex[:4]}"  # request ids stay unique per engine
-    svc._link = HandleLink(directory_actor, owner)
-    svc._adapters.replace(table.adapters)
-    pool.on_adapters(svc._adapters.replace)
+    # A name of its own: request ids stay unique per engine.
+    svc = cls(config, pool, name=f"{owner}-h{uuid.uuid4().hex[:4]}")
+    svc.follow(HandleLink(directory_actor, owner), table.adapters)
     svc.run(_watch(pool))
     return svc
 

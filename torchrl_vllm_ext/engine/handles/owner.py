@@ -135,16 +135,13 @@ def close_at_exit(svc) -> None:
 def _close_at_exit(ref: weakref.ref) -> None:
     import ray
 
-    from torchrl_vllm_ext import leftovers
-
     svc = ref()
-    if svc is None or svc._closed:
+    if svc is None or svc.closed:
         return
     if ray.is_initialized():
         svc.shutdown()
     else:
-        svc._closed = True
-        leftovers.reap_when_gone(svc.pool.temp_dirs())
+        svc.close_after_ray()
 
 
 __all__ = [

@@ -77,9 +77,9 @@ class HandlePool(ReplicaCalls):
         if table.seq <= self._table.seq:
             return
         self._table = table
-        live = {_actor_id(v.handle) for v in table.ready}
+        live = {v.process for v in table.ready}
         self._dead &= live  # an actor the owner still lists ready keeps its mark
-        self._ready = tuple(v for v in table.ready if _actor_id(v.handle) not in self._dead)
+        self._ready = tuple(v for v in table.ready if v.process not in self._dead)
         for listener in self._adapter_listeners:
             listener(table.adapters)
         if self._changed is not None:
@@ -181,11 +181,11 @@ class HandlePool(ReplicaCalls):
     # ------------------------------------------------------------------ deaths
     def _died(self, view: ReplicaView, error: BaseException, what: str) -> ReplicaDeadError:
         """Take the replica out of this handle's snapshot and tell the owner."""
-        actor = _actor_id(view.handle)
+        actor = view.process
         cause = f"{type(error).__name__}: {error}"
         if actor not in self._dead:
             self._dead.add(actor)
-            self._ready = tuple(v for v in self._ready if _actor_id(v.handle) != actor)
+            self._ready = tuple(v for v in self._ready if v.process != actor)
             for listener in self._death_listeners:
                 listener(view.replica_id)
             logger.warning("replica %d died during %s (%s)", view.replica_id, what, cause)
@@ -197,10 +197,6 @@ class HandlePool(ReplicaCalls):
             f"replica {view.replica_id} died during {what} ({cause}); the service's owner "
             "restarts it."
         )
-
-
-def _actor_id(handle) -> str:
-    return handle._actor_id.hex()
 
 
 __all__ = ["HandlePool"]

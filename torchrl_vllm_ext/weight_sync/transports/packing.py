@@ -177,7 +177,7 @@ def keeps_spare(nbytes: int, device: torch.device) -> bool:
     free (:func:`.staging.headroom`: the trainer trains there)."""
     if device.type != "cuda":
         return True
-    from torchrl_vllm_ext.weight_sync.transports.staging import headroom
+    from torchrl_vllm_ext.weight_sync.loading.staging import headroom
 
     free, total = torch.cuda.mem_get_info(device)
     return free >= headroom(total)

@@ -2,8 +2,9 @@
 scheme and the composite ``auto`` call transports only through these steps.
 
 A push (``WeightSyncScheme``) is: validate -> :meth:`Transport.prepare` (outside any pause:
-write, send, stage; the replicas keep generating) -> on each replica, in its pause, the
-:class:`WorkerCall` ``prepare`` returned for it -> :meth:`~Transport.commit` (or
+write, send, stage; the replicas keep generating; it returns what it did, a
+:class:`Prepared`) -> on each replica it reached, in its pause, the :class:`WorkerCall` it
+returned for it -> :meth:`~Transport.commit` (or
 :meth:`~Transport.rollback` when no replica loaded). :meth:`~Transport.connect` sets up
 what every push uses before the first; :meth:`~Transport.bring_up` loads the committed
 version into a restarted replica; :meth:`~Transport.close` releases everything. A push
@@ -33,7 +34,7 @@ from torchrl_vllm_ext.weight_sync.transports.packing import DEFAULT_BUCKET_BYTES
 logger = logging.getLogger(__name__)
 
 Replicas = list[ReplicaView]
-"""The replicas a push reaches (a transport drops those that died, in place)."""
+"""Replicas a step is given (never edited by a transport: what it reached, it returns)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,32 @@ class WorkerCall:
     """A :class:`~torchrl_vllm_ext.protocol.WorkerMethods` name."""
     args: tuple = ()
     """Its positional arguments."""
+
+
+@dataclass
+class Prepared:
+    """What :meth:`Transport.prepare` did (a value: it edits none of its caller's state)."""
+
+    calls: dict[int, WorkerCall] = field(default_factory=dict)
+    """The replicas it reached, each with the call it loads with in its pause (a replica
+    that died on the way is not here: the pool's death policy restarts it)."""
+    staged_in: dict[int, str] = field(default_factory=dict)
+    """Where each replica staged (``device`` / ``pinned`` / ``mapped`` on GPUs; empty
+    where the transport stages nothing)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of each of its phases (``write``, ``stage``, ``pack``, ``send``, ...)."""
+
+    def reached(self, replicas: Replicas) -> Replicas:
+        """Those of ``replicas`` it reached, in their order."""
+        return [r for r in replicas if r.replica_id in self.calls]
+
+    def add(self, other: Prepared) -> None:
+        """Fold in what another transport prepared for other replicas (``auto``'s routes);
+        phases of the same name add up."""
+        self.calls.update(other.calls)
+        self.staged_in.update(other.staged_in)
+        for name, seconds in other.phases.items():
+            self.phases[name] = self.phases.get(name, 0.0) + seconds
 
 
 def trainer_device(tensors: dict[str, torch.Tensor]) -> torch.device:
@@ -104,17 +131,18 @@ STAGED_POLL_S = 0.005
 
 async def wait_staged(
     fleet: ReplicaFleet, replicas: Replicas, version: str, limit_s: float, answer_s: float
-) -> None:
+) -> Replicas:
     """Poll the workers of ``replicas`` until each staged ``version`` (their background
-    read); a replica that died or does not answer within ``answer_s`` is dropped from
-    ``replicas`` (the death policy restarts it), one whose staging failed fails the push.
-    Raises :class:`WeightSyncError` after ``limit_s`` seconds."""
+    read); returns those that did. A replica that died or does not answer within
+    ``answer_s`` is left out (the death policy restarts it), one whose staging failed
+    fails the push. Raises :class:`WeightSyncError` after ``limit_s`` seconds."""
     import asyncio
 
     from torchrl_vllm_ext.protocol import WorkerMethods
 
     loop = asyncio.get_running_loop()
     end = loop.time() + limit_s
+    replicas = list(replicas)
     while replicas:
         ready = await fleet.call_all(
             "collective_rpc",
@@ -124,9 +152,9 @@ async def wait_staged(
             deadline=answer_s,
         )
         raise_errors(ready, "stage", version)
-        replicas[:] = [r for r in replicas if r.replica_id in ready.results]
+        replicas = [r for r in replicas if r.replica_id in ready.results]
         if all(all(per_worker) for per_worker in ready.results.values()):
-            return
+            return replicas
         if loop.time() > end:
             waiting = sorted(rid for rid, w in ready.results.items() if not all(w))
             raise WeightSyncError(
@@ -134,6 +162,7 @@ async def wait_staged(
                 "no replica loaded it. Push again, or raise the scheme's deadline."
             )
         await asyncio.sleep(STAGED_POLL_S)
+    return replicas
 
 
 class Transport(abc.ABC):
@@ -143,9 +172,9 @@ class Transport(abc.ABC):
     Examples:
         >>> class Noop(Transport):  # the smallest transport: the workers reload the checkpoint
         ...     name = "noop"
-        ...     async def prepare(self, tensors, version, replicas, phases, packed=None):
+        ...     async def prepare(self, tensors, version, replicas, packed=None):
         ...         call = WorkerCall("reload_checkpoint", (version,))  # a worker method
-        ...         return {r.replica_id: call for r in replicas}
+        ...         return Prepared(calls_for(replicas, call))
         ...     async def bring_up(self, replica, version, packed=None):
         ...         await replica.handle.collective_rpc.remote("reload_checkpoint", (version,))
     """
@@ -162,9 +191,6 @@ class Transport(abc.ABC):
         self.fleet = fleet
         self.options = options
         self.deadline = options.deadline
-        self.staged_in: dict[int, str] = {}
-        """Where each replica staged the last push (``device`` / ``pinned`` on GPUs; empty
-        where the transport stages nothing)."""
 
     @property
     def label(self) -> str:
@@ -182,6 +208,12 @@ class Transport(abc.ABC):
         """The root of the slots a restarted replica can read (storage), or None."""
         return None
 
+    @property
+    def group_port(self) -> int | None:
+        """The port of the process group a push goes through, once formed (TorchRL's
+        master port), or None."""
+        return None
+
     async def connect(self, replicas: Replicas, nbytes: int) -> None:
         """Bring up what every push of ``nbytes`` uses (a broadcast's group), before the first."""
         return None
@@ -192,16 +224,15 @@ class Transport(abc.ABC):
         tensors: dict[str, torch.Tensor],
         version: str,
         replicas: Replicas,
-        phases: dict,
         packed: Packed | None = None,
-    ) -> dict[int, WorkerCall]:
-        """Outside the pause: get ``tensors`` to the replicas; return each one's load call.
+    ) -> Prepared:
+        """Outside the pause: get ``tensors`` to ``replicas``; what it did, with each
+        reached replica's load call (:class:`Prepared`).
 
         ``packed``: the same tensors packed already (``auto`` packs once for its packed
-        routes); a packed transport sends those buckets instead of packing again. Drops
-        replicas that died from ``replicas`` (in place) where it can go on without them;
-        records its phase timings (seconds) in ``phases``. Raises
-        :class:`WeightSyncError` if no replica can load.
+        routes); a packed transport sends those buckets instead of packing again. A
+        replica that died on the way is left out where the transport can go on without
+        it. Raises :class:`WeightSyncError` if no replica can load.
         """
 
     async def commit(self, version: str) -> None:

@@ -2,16 +2,17 @@
 reads names from here.
 
 A **transport** is what a scheme is built with (``WeightSyncScheme(service, transport=...)``):
-a sender (a :class:`~.protocol.Transport` in the trainer's process), a receiver mixed into
-vLLM's worker (:class:`~torchrl_vllm_ext.weight_sync.worker.WeightSyncWorkerExtension` is
-the union of every transport's receiver over :mod:`.receiving`), and optionally a part in the
-replica's Ray actor. A **route** is how ``auto`` reaches one replica of a push: each route is
+a sender (a :class:`~.protocol.Transport` in the trainer's process), a receiver held by the
+one object each vLLM worker keeps (:class:`~torchrl_vllm_ext.weight_sync.worker.WorkerWeightSync`,
+to which the worker extension's methods delegate), and optionally a part in the replica's
+Ray actor. A **route** is how ``auto`` reaches one replica of a push: each route is
 carried by one transport with its options (``nccl`` and ``gloo`` are the broadcast transport
 with a backend each).
 
 To add a transport: a folder ``transports/<name>/`` with ``sender.py`` (a ``Transport``) and
-``receiver.py`` (its worker mixin), its worker methods declared in
-:mod:`torchrl_vllm_ext.protocol`, and one :class:`TransportInfo` below.
+``receiver.py`` (built over the worker's :class:`~torchrl_vllm_ext.weight_sync.loading.loads.Loads`),
+its worker methods declared in :mod:`torchrl_vllm_ext.protocol` and delegated to it in
+:mod:`torchrl_vllm_ext.weight_sync.worker`, and one :class:`TransportInfo` below.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class TransportInfo:
     sender: str
     """The :class:`~.protocol.Transport` subclass in the trainer's process."""
     receiver: str
-    """The worker mixin (vLLM worker process) it calls."""
+    """Its receiver in each vLLM worker (a field of ``WorkerWeightSync``)."""
     actor: str | None = None
     """Its part in the replica's Ray actor, if any."""
     routes: tuple[str, ...] = ()
@@ -146,7 +147,7 @@ def make_route(route: str, fleet, options):
 
 
 def receivers() -> tuple[type, ...]:
-    """Every transport's worker mixin, in registry order (the worker extension's bases)."""
+    """Every transport's receiver class, in registry order (what each worker holds)."""
     return tuple(load_class(t.receiver) for t in TRANSPORTS.values())
 
 

@@ -8,7 +8,8 @@ from torchrl_vllm_ext.weight_sync.transports.devices import device_uuid
 
 
 class PlanReceiver:
-    """Worker methods of ``auto`` (``self``: vLLM's Worker)."""
+    """``auto``'s part of a worker's weight sync (the worker extension's device method
+    delegates here)."""
 
     def weight_sync_device(self) -> str | None:
         """The normalised UUID of this worker's GPU (None without CUDA): the transport plan

@@ -37,10 +37,10 @@ from torchrl_vllm_ext.weight_sync.transports.auto.plan import (
 from torchrl_vllm_ext.weight_sync.transports.devices import device_uuid, normalise_uuid
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
+    Prepared,
     Replicas,
     Transport,
     TransportOptions,
-    WorkerCall,
     raise_errors,
     trainer_device,
 )
@@ -94,6 +94,11 @@ class PlannedTransport(Transport):
         return self.plan.reason if self.plan else "planned per replica at each push, by GPU UUID"
 
     @property
+    def group_port(self) -> int | None:
+        """The first route's group port (NCCL / gloo layers), if any formed."""
+        return next((s.group_port for s in self._subs.values() if s.group_port), None)
+
+    @property
     def _shared_dir(self) -> bool:
         return self.options.storage_dir is not None
 
@@ -103,9 +108,8 @@ class PlannedTransport(Transport):
         tensors: dict[str, torch.Tensor],
         version: str,
         replicas: Replicas,
-        phases: dict,
         packed: Packed | None = None,
-    ) -> dict[int, WorkerCall]:
+    ) -> Prepared:
         t0 = time.perf_counter()
         device = trainer_device(tensors)  # 2)
         self._trainer = Place(
@@ -113,12 +117,11 @@ class PlannedTransport(Transport):
             device_uuid(device.index) if device.type == "cuda" else None,
         )
         places = await self._places_of(replicas)  # 1)
-        replicas[:] = [r for r in replicas if r.replica_id in places]
+        replicas = [r for r in replicas if r.replica_id in places]
         self.plan = self.planner(self._trainer, places, self._shared_dir)  # 3)
-        phases["plan"] = time.perf_counter() - t0
+        prepared = Prepared(phases={"plan": time.perf_counter() - t0})
         logger.info("version %s: %s", version, self.plan.reason)
-        self._used, self._packed, self.staged_in = [], packed, {}
-        calls: dict[int, WorkerCall] = {}
+        self._used, self._packed = [], packed
         try:
             for (route, layer), ids in self.plan.routes().items():  # 4)
                 group = [r for r in replicas if r.replica_id in ids]
@@ -126,14 +129,12 @@ class PlannedTransport(Transport):
                 self._used.append(sub)
                 buckets = None
                 if registry.ROUTES[route].packed:
-                    buckets = await self._pack(tensors, version, phases)
-                calls.update(await sub.prepare(tensors, version, group, phases, buckets))
-                self.staged_in.update(sub.staged_in)
+                    buckets = await self._pack(tensors, version, prepared.phases)
+                prepared.add(await sub.prepare(tensors, version, group, buckets))
         except BaseException:
             await self.rollback(version)
             raise
-        replicas[:] = [r for r in replicas if r.replica_id in calls]
-        return calls
+        return prepared
 
     async def _pack(self, tensors, version: str, phases: dict) -> Packed:
         if self._packed is None:

@@ -9,6 +9,7 @@ import logging
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.weight_sync.loading.loads import Loads
 from torchrl_vllm_ext.weight_sync.params import device_checksums
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import (
@@ -21,8 +22,22 @@ logger = logging.getLogger(__name__)
 
 
 class BroadcastReceiver:
-    """Worker methods of the broadcast transport (``self``: vLLM's Worker, with
-    :class:`~..receiving.Receiving`)."""
+    """The broadcast transport's part of a worker's weight sync (the worker extension's
+    broadcast methods delegate here).
+
+    Args:
+        loads: the worker's shared staging and loading step.
+    """
+
+    def __init__(self, loads: Loads):
+        self.loads = loads
+        self.group: tuple | None = None
+        """``(store, process group)`` this worker joined, if any."""
+        self.backend: str | None = None
+        self.device: torch.device | None = None
+        """Where buckets are received (the worker's GPU for NCCL, else the CPU)."""
+        self.buffers: list[torch.Tensor] = []
+        """Receive buffers kept from push to push (one per bucket)."""
 
     def init_weight_broadcast(
         self,
@@ -35,10 +50,10 @@ class BroadcastReceiver:
     ) -> int:
         """Join the trainer's broadcast group; returns this worker's rank in it."""
         self.close_weight_broadcast()
-        rank = rank_offset + self.rank
-        self._tvllm_group = make_process_group(backend, host, port, world_size, rank, timeout_s)
-        self._tvllm_backend = backend
-        self._tvllm_device = (
+        rank = rank_offset + self.loads.worker.rank
+        self.group = make_process_group(backend, host, port, world_size, rank, timeout_s)
+        self.backend = backend
+        self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if backend == "nccl"
             else torch.device("cpu")
@@ -48,31 +63,30 @@ class BroadcastReceiver:
     def receive_weight_broadcast(self, header_json: str) -> str:
         """Receive every bucket of one update, verify all, then load; returns the version."""
         header = from_json(header_json, UpdateHeader)
-        self._tvllm_load(self._tvllm_receive(header), header.version)
+        self.loads.load(self._receive(header), header.version)
         return header.version
 
     def stage_weight_broadcast(self, header_json: str) -> bool:
         """Receive and verify one update in a background thread (before the pause)."""
         header = from_json(header_json, UpdateHeader)
-        return self._tvllm_stage(header.version, lambda: self._tvllm_receive(header))
+        return self.loads.stage(header.version, lambda: self._receive(header))
 
-    def _tvllm_receive(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:
-        group = getattr(self, "_tvllm_group", None)
+    def _receive(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:
+        group = self.group
         if group is None:
             raise WeightSyncError(
                 "this worker is not in a broadcast group; call init_weight_broadcast first."
             )
         received = []
-        kept = self.__dict__.setdefault("_tvllm_receive_buffers", [])
         for i, bucket in enumerate(header.buckets):
-            buf = _buffer(kept, i, bucket.nbytes, self._tvllm_device)
+            buf = _buffer(self.buffers, i, bucket.nbytes, self.device)
             try:
                 group[1].broadcast(buf, 0).wait()
             except Exception as e:  # the trainer died or stalled past the group's timeout
                 # The group is unusable now; the next push forms a new one.
-                if getattr(self, "_tvllm_group", None) is group:
-                    self._tvllm_group = None
-                    end_group(self._tvllm_backend, group[1])
+                if self.group is group:
+                    self.group = None
+                    end_group(self.backend, group[1])
                 error = WeightSyncError(
                     f"broadcast of weight version {header.version} was cut off after "
                     f"{len(received)} of {len(header.buckets)} buckets ({type(e).__name__}: "
@@ -96,11 +110,10 @@ class BroadcastReceiver:
     def close_weight_broadcast(self) -> bool:
         """Leave the group (an NCCL one aborted: a receive stuck on a dead member ends)
         and drop the receive buffers; whether it was in one."""
-        group = getattr(self, "_tvllm_group", None)
-        self._tvllm_group = None
+        group, self.group = self.group, None
         if group is not None:
-            end_group(self._tvllm_backend, group[1])
-        self.__dict__.pop("_tvllm_receive_buffers", None)
+            end_group(self.backend, group[1])
+        self.buffers = []
         return group is not None
 
 

@@ -31,6 +31,7 @@ from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     STAGED_POLL_S,
     Outcomes,
+    Prepared,
     Replicas,
     Transport,
     TransportOptions,
@@ -74,14 +75,18 @@ class BroadcastTransport(Transport):
         self._committed: Packed | None = None  # for restarts
         self._slots = PackSlots()  # the trainer's buckets, re-packed in place push to push
 
+    @property
+    def group_port(self) -> int | None:
+        return self.group.port if self.group is not None else None
+
     async def prepare(
         self,
         tensors: dict[str, torch.Tensor],
         version: str,
         replicas: Replicas,
-        phases: dict,
         packed: Packed | None = None,
-    ) -> dict[int, WorkerCall]:
+    ) -> Prepared:
+        phases: dict[str, float] = {}
         if packed is None:  # 1) into the set of buckets the committed version is not in
             t0 = time.perf_counter()
             packed = await asyncio.to_thread(
@@ -107,8 +112,9 @@ class BroadcastTransport(Transport):
             self._drop_group()
             raise
         self._staged = packed
-        phases["send"] = phases.get("send", 0.0) + time.perf_counter() - t1
-        return calls_for(replicas, WorkerCall(WorkerMethods.APPLY_STAGED, (version,)))
+        phases["send"] = time.perf_counter() - t1
+        call = WorkerCall(WorkerMethods.APPLY_STAGED, (version,))
+        return Prepared(calls_for(replicas, call), phases=phases)
 
     async def _send(self, buffers, replicas: Replicas, version: str, limit: float) -> None:
         """4) Broadcast the buckets (in a thread) while 5) polling every replica until

@@ -31,6 +31,7 @@ from torchrl_vllm_ext.weight_sync.specs import IpcUpdate, to_json
 from torchrl_vllm_ext.weight_sync.transports.ipc.handles import SharedBuckets, share
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
+    Prepared,
     Replicas,
     Transport,
     TransportOptions,
@@ -72,9 +73,9 @@ class IpcTransport(Transport):
         tensors: dict[str, torch.Tensor],
         version: str,
         replicas: Replicas,
-        phases: dict,
         packed: Packed | None = None,
-    ) -> dict[int, WorkerCall]:
+    ) -> Prepared:
+        phases: dict[str, float] = {}
         if packed is None:
             if trainer_device(tensors).type != "cuda":
                 raise WeightSyncError(
@@ -98,14 +99,19 @@ class IpcTransport(Transport):
             deadline=self.deadline.answer_s,
         )
         raise_errors(staged, "stage", version)
-        replicas[:] = [r for r in replicas if r.replica_id in staged.results]
-        await wait_staged(
-            self.fleet, replicas, version, self.deadline.for_bytes(nbytes), self.deadline.answer_s
+        replicas = await wait_staged(
+            self.fleet,
+            [r for r in replicas if r.replica_id in staged.results],
+            version,
+            self.deadline.for_bytes(nbytes),
+            self.deadline.answer_s,
         )
         self._staged = packed
-        self.staged_in = {r.replica_id: "device" for r in replicas}
-        phases["share"] = phases.get("share", 0.0) + time.perf_counter() - t0
-        return calls_for(replicas, WorkerCall(WorkerMethods.APPLY_STAGED, (version,)))
+        phases["share"] = time.perf_counter() - t0
+        call = WorkerCall(WorkerMethods.APPLY_STAGED, (version,))
+        return Prepared(
+            calls_for(replicas, call), {r.replica_id: "device" for r in replicas}, phases
+        )
 
     def _updates(self, packed: Packed, replicas: Replicas) -> dict[int, str]:
         """Each replica's JSON update of CUDA IPC handles to ``packed``'s buckets (a set

@@ -32,6 +32,7 @@ from torchrl_vllm_ext.weight_sync.params import require_all_finite, require_fini
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
+    Prepared,
     Replicas,
     Transport,
     TransportOptions,
@@ -84,9 +85,8 @@ class StorageTransport(Transport):
         tensors: dict[str, torch.Tensor],
         version: str,
         replicas: Replicas,
-        phases: dict,
         packed: Packed | None = None,  # the slot is written from the tensors either way
-    ) -> dict[int, WorkerCall]:
+    ) -> Prepared:
         t0 = time.perf_counter()
         self._previous = self.writer.published()
         await asyncio.to_thread(self._write, tensors, version)  # 1)
@@ -104,19 +104,20 @@ class StorageTransport(Transport):
         except WeightSyncError:
             await self.rollback(version)
             raise
-        replicas[:] = [r for r in replicas if r.replica_id in staged.results]
-        phases.update(write=t1 - t0, stage=time.perf_counter() - t1)
+        replicas = [r for r in replicas if r.replica_id in staged.results]
+        phases = {"write": t1 - t0, "stage": time.perf_counter() - t1}
         if not self.fleet.uses_gpu:
             call = WorkerCall(WorkerMethods.APPLY_STORAGE, (self.root, version))
-            return calls_for(replicas, call)
+            return Prepared(calls_for(replicas, call), phases=phases)
         t2 = time.perf_counter()  # 3)
         try:
-            await self._stage_on_gpus(replicas, version, nbytes)
+            replicas, staged_in = await self._stage_on_gpus(replicas, version, nbytes)
         except WeightSyncError:
             await self.rollback(version)
             raise
         phases["gpu_stage"] = time.perf_counter() - t2
-        return calls_for(replicas, WorkerCall(WorkerMethods.APPLY_STAGED, (version,)))
+        call = WorkerCall(WorkerMethods.APPLY_STAGED, (version,))
+        return Prepared(calls_for(replicas, call), staged_in, phases)
 
     def _write(self, tensors: dict[str, torch.Tensor], version: str) -> None:
         """Fill and publish the idle slot, rejecting NaN / inf: in the copy pass for host
@@ -128,8 +129,11 @@ class StorageTransport(Transport):
         else:
             self.writer.write(tensors, version, require_finite)
 
-    async def _stage_on_gpus(self, replicas: Replicas, version: str, nbytes: int) -> None:
-        """3) Every GPU worker copies the slot to its staging buffers before the pause."""
+    async def _stage_on_gpus(
+        self, replicas: Replicas, version: str, nbytes: int
+    ) -> tuple[Replicas, dict[int, str]]:
+        """3) Every GPU worker copies the slot to its staging buffers before the pause; the
+        replicas that did, and where each staged."""
         placed = await self.fleet.call_all(
             "collective_rpc",
             WorkerMethods.STAGE_FROM_STORAGE,
@@ -138,15 +142,16 @@ class StorageTransport(Transport):
             deadline=self.deadline.answer_s,
         )
         raise_errors(placed, "stage", version)
-        replicas[:] = [r for r in replicas if r.replica_id in placed.results]
+        replicas = [r for r in replicas if r.replica_id in placed.results]
         # A replica is as fast as its slowest worker: mapped, then pinned, if any worker is.
-        self.staged_in = {
+        staged_in = {
             rid: next((p for p in ("mapped", "pinned") if p in places), "device")
             for rid, places in placed.results.items()
         }
-        await wait_staged(
+        replicas = await wait_staged(
             self.fleet, replicas, version, self.deadline.for_bytes(nbytes), self.deadline.answer_s
         )
+        return replicas, {r.replica_id: staged_in[r.replica_id] for r in replicas}
 
     async def rollback(self, version: str) -> None:
         if self._previous is not None:

@@ -1,21 +1,21 @@
 """A worker's in-place loads through its load plans: trace the model's own loader on the
-first push of a layout, replay the plan on every later one (:mod:`.load_plan`).
+first push of a layout (:mod:`.recorder`), replay the plan on every later one (:mod:`.plan`).
 
-:meth:`PlannedLoader.load` is what :meth:`~.receiving.Receiving._tvllm_load` runs on the
+:meth:`PlannedLoader.load` is what :meth:`.loads.Loads.load` runs on the
 in-place path (dense models on GPU, and on CPU with checkpoint layout):
 
 1. a layout seen before whose plan still binds (every target's fingerprint unchanged):
    **replay**, one ``torch._foreach_copy_`` of the planned views, then the model's loader for
    the tensors the plan leaves to it (none, for the dense families);
 2. otherwise **trace**: the loader loads this push under the recorder; then the backstop:
-   each target's :func:`~.load_plan.content_sums` as the loader left it, a replay of the
+   each target's :func:`~.plan.content_sums` as the loader left it, a replay of the
    plan (and the loader for the tensors it keeps), the sums again. Equal: the plan is kept.
    Different: the loader loads the push once more (the parameters are as a normal load
    leaves them) and the layout keeps the loader from then on, with a warning naming the
    tensors.
 
-``TORCHRL_VLLM_LOAD_PLAN=0`` in a replica's environment (or :meth:`PlannedLoader.enabled`
-set False at run time: the ``use_load_plan`` worker method) loads every push with the
+``TORCHRL_VLLM_LOAD_PLAN=0`` in a replica's environment (or :attr:`PlannedLoader.enabled`
+set False at run time: the testing worker extension's ``use_load_plan``) loads every push with the
 loader, as before plans existed. Each load returns a :class:`LoadReport` (plain data: it
 reaches ``SyncReport.loads``).
 """
@@ -31,13 +31,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from torchrl_vllm_ext.protocol import LOAD_PLAN_ENV
-from torchrl_vllm_ext.weight_sync.transports.load_plan import (
+from torchrl_vllm_ext.weight_sync.loading.plan import (
     BoundPlan,
     LoadPlan,
     content_sums,
     layout_of,
-    trace,
 )
+from torchrl_vllm_ext.weight_sync.loading.recorder import trace
 
 logger = logging.getLogger(__name__)
 
