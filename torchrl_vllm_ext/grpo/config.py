@@ -62,6 +62,17 @@ class GRPOConfig:
     """Seeds the tiny model, the prompts, the trainer and the engines."""
     dtype: str = "float32"
     """dtype of the trainer and of the replicas (fp32 keeps their log-probs equal)."""
+    replica_dtype: str | None = None
+    """dtype of the replicas when it differs from the trainer's (bfloat16 replicas beside a
+    float32 trainer: the trainer-engine mismatch of 16-bit serving); None: ``dtype``."""
+    rollout_correction: str | None = None
+    """Correct the policy gradient for the trainer-engine mismatch: token_truncate (TIS),
+    token_mask (IcePop with --is-clip-low), sequence_truncate or sequence_mask; None: off
+    (the mismatch is measured either way)."""
+    is_clip: float = 2.0
+    """Upper bound of the rollout correction's importance weight."""
+    is_clip_low: float | None = None
+    """Lower bound of the rollout correction's importance weight (two-sided); None: none."""
     cpus_per_replica: float | None = None
     """Ray CPUs per replica; None splits the machine between the replicas."""
     ray_address: str | None = None

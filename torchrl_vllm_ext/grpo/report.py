@@ -1,4 +1,5 @@
-"""What a GRPO run leaves behind: summary figures, the step-time breakdown, the reward plot."""
+"""What a GRPO run leaves behind: summary figures, the step-time breakdown, the reward plot
+(with the trainer-engine mismatch of every batch beside it)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,22 @@ PHASE_HELP = {
     "train": "backward + Adam step",
     "sync": "push the weights to every replica (WeightSyncScheme)",
 }
+MISMATCH_FIGURES = (
+    "kl_k3",
+    "logp_abs_diff_mean",
+    "logp_abs_diff_max",
+    "chi2_token",
+    "chi2_seq",
+    "is_ratio_min",
+    "is_ratio_max",
+    "ess",
+    "clipped_fraction",
+    "masked_fraction",
+)
+"""The mismatch figures the summary gives at the start, middle and end of a run."""
+LOG_FLOOR = 1e-12
+"""Mismatch values below this are drawn at it (a log axis has no 0: fp32 replicas often
+match the trainer exactly)."""
 
 
 def moving_average(values: list[float], window: int) -> list[float]:
@@ -55,6 +72,7 @@ def summarize(steps: list[dict], *, target: float, random_reward: float, window:
         "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps),
         "max_abs_kl_to_engine": max(abs(s["kl_to_engine"]) for s in steps),
         **reference_summary(steps, step_s),
+        **mismatch_summary(steps, step_s, window=window),
     }
 
 
@@ -70,6 +88,70 @@ def reference_summary(steps: list[dict], step_s: float) -> dict:
         "kl_to_ref_start": steps[0]["kl_to_ref"],
         "kl_to_ref_end": statistics.fmean(s["kl_to_ref"] for s in steps[-10:]),
     }
+
+
+def mismatch_summary(steps: list[dict], step_s: float, *, window: int = 10) -> dict:
+    """The trainer-engine mismatch at the start, middle and end of the run (each the mean
+    over ``window`` steps of the per-batch figure), and what measuring it cost per step
+    (``mismatch_s``, the loss's metrics and weights; its median share of the median step).
+
+    Examples:
+        >>> steps = [{"mismatch_s": 0.001, **{f"mismatch_{k}": float(i) for k in
+        ...          MISMATCH_FIGURES}} for i in range(30)]
+        >>> out = mismatch_summary(steps, step_s=0.2)
+        >>> out["mismatch"]["kl_k3"], round(out["mismatch_share_of_step"], 4)
+        ({'start': 4.5, 'middle': 14.5, 'end': 24.5}, 0.005)
+    """
+    if not steps or not all("mismatch_s" in s for s in steps):
+        return {}
+    mid = max(0, len(steps) // 2 - window // 2)
+    spans = {"start": steps[:window], "middle": steps[mid : mid + window], "end": steps[-window:]}
+    figures = {
+        name: {
+            span: statistics.fmean(s[f"mismatch_{name}"] for s in chunk)
+            for span, chunk in spans.items()
+        }
+        for name in MISMATCH_FIGURES
+        if all(f"mismatch_{name}" in s for s in steps)
+    }
+    cost = statistics.median(s["mismatch_s"] for s in steps)
+    return {
+        "mismatch": figures,
+        "median_mismatch_s": cost,
+        "mismatch_share_of_step": cost / step_s if step_s else 0.0,
+    }
+
+
+def mismatch_postfix(metrics: dict) -> dict[str, str]:
+    """The progress bar's mismatch entries for one step: k3 KL, and the fraction the
+    correction clipped or masked when it did any.
+
+    Examples:
+        >>> mismatch_postfix({"mismatch_kl_k3": 2e-4, "mismatch_clipped_fraction": 0.01,
+        ...                   "mismatch_masked_fraction": 0.0})
+        {'kl3': '2.0e-04', 'clip': '1.0%'}
+    """
+    if "mismatch_kl_k3" not in metrics:
+        return {}
+    out = {"kl3": f"{metrics['mismatch_kl_k3']:.1e}"}
+    for name, short in (("clipped_fraction", "clip"), ("masked_fraction", "mask")):
+        value = metrics.get(f"mismatch_{name}", 0.0)
+        if value:
+            out[short] = f"{value:.1%}"
+    return out
+
+
+def mismatch_table(summary: dict) -> str:
+    """A printable table of the mismatch at the start, middle and end of the run."""
+    figures = summary["mismatch"]
+    lines = [f"{'mismatch':<20}{'start':>11}{'middle':>11}{'end':>11}"]
+    for name, spans in figures.items():
+        lines.append(f"{name:<20}" + "".join(f"{spans[p]:>11.2e}" for p in spans))
+    lines.append(
+        f"measured in {summary['median_mismatch_s'] * 1e3:.2f} ms per step "
+        f"({summary['mismatch_share_of_step']:.2%} of the median step)"
+    )
+    return "\n".join(lines)
 
 
 def breakdown_table(summary: dict) -> str:
@@ -92,9 +174,16 @@ def plot_run(steps: list[dict], summary: dict, path: Path, *, window: int = 10) 
 
     x = [s["step"] for s in steps]
     rewards = [s["reward"] for s in steps]
-    fig, (top, bottom) = plt.subplots(
-        2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
-    )
+    with_mismatch = all("mismatch_kl_k3" in s for s in steps)
+    if with_mismatch:
+        fig, (top, middle, bottom) = plt.subplots(
+            3, 1, figsize=(8, 9), sharex=True, gridspec_kw={"height_ratios": [2, 1.2, 1]}
+        )
+        plot_mismatch(middle, steps)
+    else:
+        fig, (top, bottom) = plt.subplots(
+            2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+        )
     top.plot(x, rewards, color="tab:blue", alpha=0.35, label="reward (batch mean)")
     top.plot(x, moving_average(rewards, window), color="tab:blue", label=f"{window}-step mean")
     top.axhline(summary["random_policy_reward"], color="grey", ls=":", label="random policy")
@@ -138,4 +227,48 @@ def plot_run(steps: list[dict], summary: dict, path: Path, *, window: int = 10) 
     return path
 
 
-__all__ = ["PHASES", "breakdown_table", "moving_average", "plot_run", "summarize"]
+def plot_mismatch(axis, steps: list[dict]) -> None:
+    """The trainer-engine mismatch per step on ``axis`` (log scale) and, on a right axis,
+    the fraction of tokens the correction clipped or masked."""
+    x = [s["step"] for s in steps]
+    for name, label, color in (
+        ("kl_k3", "k3 KL(engine || trainer)", "tab:red"),
+        ("logp_abs_diff_mean", "mean |log p - log q|", "tab:orange"),
+    ):
+        values = [max(s[f"mismatch_{name}"], LOG_FLOOR) for s in steps]
+        axis.plot(x, values, color=color, lw=0.9, label=label)
+    axis.set_yscale("log")
+    axis.set_ylabel("trainer-engine mismatch")
+    axis.set_title(
+        f"mismatch per batch (values below {LOG_FLOOR:.0e} drawn at it)",
+        fontsize="small",
+        loc="left",
+    )
+    handles = axis.get_legend_handles_labels()[0]
+    corrected = [
+        s.get("mismatch_clipped_fraction", 0.0) + s.get("mismatch_masked_fraction", 0.0)
+        for s in steps
+    ]
+    if any(corrected):
+        right = axis.twinx()
+        (line,) = right.plot(
+            x, corrected, color="tab:grey", lw=0.8, ls="--", label="clipped or masked (right)"
+        )
+        right.set_ylim(bottom=0)
+        right.set_ylabel("fraction of tokens")
+        handles.append(line)
+    axis.legend(handles=handles, loc="upper right", fontsize="small")
+
+
+__all__ = [
+    "MISMATCH_FIGURES",
+    "PHASES",
+    "breakdown_table",
+    "mismatch_postfix",
+    "mismatch_summary",
+    "mismatch_table",
+    "moving_average",
+    "plot_mismatch",
+    "plot_run",
+    "summarize",
+]

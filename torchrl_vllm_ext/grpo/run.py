@@ -23,7 +23,7 @@ import torch
 
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.grpo.config import GRPOConfig
-from torchrl_vllm_ext.grpo.report import plot_run, summarize
+from torchrl_vllm_ext.grpo.report import mismatch_postfix, plot_run, summarize
 from torchrl_vllm_ext.grpo.rollouts import RolloutRecorder
 from torchrl_vllm_ext.grpo.trainer import GRPOTrainer, restrict_vocabulary
 
@@ -41,7 +41,7 @@ LORA_RANKS = (8, 16, 32, 64, 128, 256)  # vLLM's max_lora_rank values
 def engine_kwargs(cfg: GRPOConfig, *, gpu: bool) -> dict:
     """vLLM engine arguments of the demo's replicas."""
     kwargs = {
-        "dtype": cfg.dtype,
+        "dtype": cfg.replica_dtype or cfg.dtype,
         "seed": cfg.seed,
         "max_model_len": MAX_MODEL_LEN,
         # The policy samples from the task's alphabet only (allowed_token_ids): report the
@@ -168,6 +168,9 @@ def run_grpo(
         clip_epsilon=cfg.clip_epsilon,
         entropy_coeff=cfg.entropy_coeff,
         kl_to_ref_coeff=cfg.kl_coef,
+        rollout_correction=cfg.rollout_correction,
+        is_clip=cfg.is_clip,
+        is_clip_low=cfg.is_clip_low,
     )
     recorder = RolloutRecorder(
         out_dir / "rollouts",
@@ -268,6 +271,7 @@ def run_grpo(
                     tok_s=f"{metrics['tokens_per_s']:.0f}",
                     sync_s=f"{sync_s:.2f}",
                     **({"kl_ref": f"{metrics['kl_to_ref']:.3f}"} if "kl_to_ref" in metrics else {}),
+                    **mismatch_postfix(metrics),
                 )
                 if on_step is not None:
                     on_step(metrics)

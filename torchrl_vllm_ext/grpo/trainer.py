@@ -71,6 +71,9 @@ def sample_entropy(batch: TensorDictBase) -> float:
 class GRPOTrainer:
     """TorchRL's ``GRPOLoss`` over a transformers model, with Adam: ``step(batch)`` learns once.
 
+    The loss is :class:`~torchrl_vllm_ext.CorrectedGRPOLoss` (TorchRL's, plus the
+    trainer-engine mismatch metrics of every batch and the optional rollout correction).
+
     ``batch`` is what :class:`torchrl.collectors.llm.LLMCollector` yields with a
     :class:`~torchrl_vllm_ext.VLLMPolicy` (``pad_output`` as given here) on a
     :class:`~torchrl_vllm_ext.envs.TokenTaskEnv` with ``group_size`` rows per prompt.
@@ -87,6 +90,10 @@ class GRPOTrainer:
         kl_to_ref_coeff: weight of GRPOLoss's KL to the reference (0 turns it off); the
             batch then carries ``("next", "ref_log_probs", "full")`` (:class:`ReferenceKL`).
         pad_output: the batch's layout (the policy's ``pad_output``).
+        rollout_correction: None (TorchRL's loss) or a mode of
+            :data:`torchrl_vllm_ext.losses.MODES`.
+        is_clip: upper bound of the correction's importance weight.
+        is_clip_low: its lower bound (two-sided); None: none.
 
     Examples:
         >>> trainer = GRPOTrainer(model, tokenizer, group_size=16)  # doctest: +SKIP
@@ -107,9 +114,13 @@ class GRPOTrainer:
         entropy_coeff: float = 0.0,
         kl_to_ref_coeff: float = 0.0,
         pad_output: bool = True,
+        rollout_correction: str | None = None,
+        is_clip: float = 2.0,
+        is_clip_low: float | None = None,
     ):
         from torchrl.modules.llm import TransformersWrapper
-        from torchrl.objectives.llm import GRPOLoss
+
+        from torchrl_vllm_ext.losses import CorrectedGRPOLoss
 
         self.model = model.eval()  # GRPOLoss's advice: eval mode keeps the weights exact
         self.group_size = group_size
@@ -117,13 +128,16 @@ class GRPOTrainer:
         actor = TransformersWrapper(
             model, tokenizer=tokenizer, input_mode="tokens", generate=False, pad_output=pad_output
         )
-        self.loss = GRPOLoss(
+        self.loss = CorrectedGRPOLoss(
             actor,
             clip_epsilon=clip_epsilon,
             masking_strategy="sft",
             entropy_bonus=entropy_coeff > 0,
             entropy_coeff=entropy_coeff,
             kl_to_ref_coeff=kl_to_ref_coeff or None,
+            rollout_correction=rollout_correction,
+            is_clip=is_clip,
+            is_clip_low=is_clip_low,
         )
         self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
@@ -134,7 +148,11 @@ class GRPOTrainer:
         ``train_s`` the backward pass and the update. ``ess`` and ``kl_to_engine`` compare
         the trainer's log-probs with the engine's: on fresh samples from the trainer's
         own weights they are 1 and 0 up to float error, the visible proof that the
-        replicas serve exactly what the trainer holds.
+        replicas serve exactly what the trainer holds (``ess`` is TorchRL's, of its PPO
+        ratio: with a correction mode that ratio is against the trainer's own log-probs,
+        and ``mismatch_ess`` is the engine's). ``mismatch_<name>`` are the loss's
+        mismatch figures (:data:`torchrl_vllm_ext.losses.METRICS`, the correction's
+        fractions) and ``mismatch_s`` the time the loss spent on them (inside ``score_s``).
         """
         reward = batch.get(("next", "reward")).reshape(-1).float()
         advantage = group_advantage(reward, self.group_size)
@@ -160,6 +178,8 @@ class GRPOTrainer:
             "ess": float(out.ESS),
             "kl_to_engine": float(out.kl_approx),
             "grad_norm": float(grad_norm),
+            **{f"mismatch_{k}": float(v) for k, v in out.mismatch.items()},
+            "mismatch_s": self.loss.metrics_seconds,
             "score_s": scored - start,
             "train_s": done - scored,
         }

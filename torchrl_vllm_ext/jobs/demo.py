@@ -12,6 +12,7 @@ import argparse
 import logging
 
 from torchrl_vllm_ext.engine.placement import PLACEMENTS
+from torchrl_vllm_ext.losses.correction import MODES
 from torchrl_vllm_ext.weight_sync.transports import registry
 
 logger = logging.getLogger(__name__)
@@ -33,14 +34,21 @@ FLAGS = {
     "ref_replicas": "--ref-replicas",
     "seed": "--seed",
     "dtype": "--dtype",
+    "replica_dtype": "--replica-dtype",
+    "rollout_correction": "--rollout-correction",
+    "is_clip": "--is-clip",
+    "is_clip_low": "--is-clip-low",
     "high": "--high",
     "cpus_per_replica": "--cpus-per-replica",
     "ray_address": "--ray-address",
     "placement": "--placement",
 }
+DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {
     "transport": registry.names(cpu=True),
-    "dtype": ("float32", "bfloat16", "float16"),
+    "dtype": DTYPES,
+    "replica_dtype": DTYPES,
+    "rollout_correction": MODES,
     "placement": PLACEMENTS,
 }
 
@@ -63,7 +71,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from torchrl_vllm_ext.grpo.config import GRPOConfig
-    from torchrl_vllm_ext.grpo.report import breakdown_table
+    from torchrl_vllm_ext.grpo.report import breakdown_table, mismatch_table
     from torchrl_vllm_ext.grpo.run import run_grpo
     from torchrl_vllm_ext.jobs.flags import config_from_args
     from torchrl_vllm_ext.jobs.logs import job_log_file
@@ -92,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
             f"({s['ref_share_of_step']:.0%} of the step, inside generate)"
         )
     print(breakdown_table(s))
+    if "mismatch" in s:
+        print()
+        print(mismatch_table(s))
     files = result["files"]
     print(
         f"\nwrote {files['reward_curve']}, {files['metrics']} (every figure), {files['rollouts']}"
