@@ -89,6 +89,26 @@ def vllm_build_drives_gpus() -> bool:
     return torch.version.cuda is not None or torch.version.hip is not None
 
 
+BATCH_INVARIANT_MODULES = (
+    "vllm.model_executor.determinism.batch_invariant",  # vLLM >= 0.30
+    "vllm.model_executor.layers.batch_invariant",  # before
+)
+"""Where vLLM keeps its batch-invariant kernels (``VLLM_BATCH_INVARIANT``), newest first."""
+
+
+def has_batch_invariant_kernels() -> bool:
+    """Whether the installed vLLM has batch-invariant kernels (imports vLLM's packages)."""
+    import importlib.util
+
+    for name in BATCH_INVARIANT_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except ModuleNotFoundError:
+            continue
+    return False
+
+
 def engine_env_defaults() -> dict[str, str]:
     """The replicas' environment unless the user's own ``VLLM_*`` variables say otherwise."""
     if vllm_build_drives_gpus():

@@ -256,3 +256,75 @@ def test_metrics_can_be_turned_off(scored_batch):
     actor, batch = scored_batch
     _, ours = losses(actor, batch, rollout_correction="token_truncate", mismatch_metrics=False)
     assert ours.mismatch is None
+
+
+# ---------------------------------------------------------------- the GRPO job's pieces
+def test_the_job_summarises_the_mismatch_at_start_middle_and_end():
+    from torchrl_vllm_ext.grpo.report import MISMATCH_FIGURES, mismatch_summary, mismatch_table
+
+    steps = [
+        {"mismatch_s": 0.002, **{f"mismatch_{k}": float(i) for k in MISMATCH_FIGURES}}
+        for i in range(40)
+    ]
+    out = mismatch_summary(steps, step_s=0.25, window=10)
+    assert out["mismatch"]["kl_k3"] == {"start": 4.5, "middle": 19.5, "end": 34.5}
+    assert out["mismatch_share_of_step"] == pytest.approx(0.008)
+    assert "kl_k3" in mismatch_table(out) and "0.80% of the median step" in mismatch_table(out)
+    assert mismatch_summary([{"reward": 1.0}], step_s=0.25) == {}  # a run without the metrics
+
+
+def test_the_reward_plot_draws_the_mismatch_beside_it(tmp_path):
+    from torchrl_vllm_ext.grpo.report import MISMATCH_FIGURES, PHASES, plot_run, summarize
+
+    steps = [
+        {
+            "step": i,
+            "reward": i / 20,
+            "elapsed_s": i * 0.2,
+            "tokens_per_s": 100.0,
+            "kl_to_engine": 0.0,
+            "mismatch_s": 0.001,
+            **{f"{p}_s": 0.05 for p in PHASES},
+            **{f"mismatch_{k}": 0.0 if i % 2 else 1e-4 for k in MISMATCH_FIGURES},
+        }
+        for i in range(20)
+    ]
+    summary = summarize(steps, target=0.8, random_reward=0.1)
+    assert plot_run(steps, summary, tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_the_demo_takes_the_correction_flags():
+    from torchrl_vllm_ext.cli import build_parser
+    from torchrl_vllm_ext.grpo.config import GRPOConfig
+    from torchrl_vllm_ext.jobs.demo import FLAGS
+    from torchrl_vllm_ext.jobs.flags import config_from_args
+
+    args = build_parser().parse_args(
+        "demo --rollout-correction token_mask --is-clip 2.5 --is-clip-low 0.5 "
+        "--replica-dtype bfloat16".split()
+    )
+    cfg = config_from_args(GRPOConfig, args, FLAGS)
+    assert (cfg.rollout_correction, cfg.is_clip, cfg.is_clip_low) == ("token_mask", 2.5, 0.5)
+    assert cfg.replica_dtype == "bfloat16" and cfg.dtype == "float32"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--rollout-correction", "tis"])
+
+
+# ---------------------------------------------------------------- the batch-invariant switch
+def test_batch_invariant_kernels_are_refused_where_they_cannot_run():
+    from types import SimpleNamespace
+
+    from torchrl_vllm_ext.engine.driver import batch_invariance
+
+    on = SimpleNamespace(batch_invariant=True)
+    with pytest.raises(ConfigurationError, match="needs GPU replicas"):
+        batch_invariance.check(False, on)  # CPU replicas
+    batch_invariance.check(False, SimpleNamespace(batch_invariant=False))  # off: no check
+    why = batch_invariance.refusal(use_gpu=True, kernels=True, capabilities=[(9, 0), (7, 5)])
+    assert "compute capability >= 8.0" in why and "7.5" in why
+    assert "no batch-invariant kernels" in batch_invariance.refusal(
+        use_gpu=True, kernels=False, capabilities=[(9, 0)]
+    )
+    assert batch_invariance.refusal(use_gpu=True, kernels=True, capabilities=[(8, 0)]) is None
+    assert batch_invariance.replica_env(on) == {"VLLM_BATCH_INVARIANT": "1"}
+    assert batch_invariance.replica_env(SimpleNamespace(batch_invariant=False)) == {}

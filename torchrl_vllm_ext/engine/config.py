@@ -112,6 +112,11 @@ class ServiceConfig:
     """Seconds before restart attempt k + 1, times k + 1."""
     ready_poll_interval: float = 0.2
     """Seconds between checks for a ready replica while none is."""
+    batch_invariant: bool = False
+    """Run vLLM's batch-invariant kernels (``VLLM_BATCH_INVARIANT=1`` in every replica): a
+    sample's log-probs then do not depend on the batch it shared. GPUs of compute capability
+    >= 8.0 and a vLLM that has them; refused with a ``ConfigurationError`` elsewhere (CPU
+    included) when the service starts."""
     log_file: str | None = None
     """File the replicas append their output to (vLLM's logs and warnings, engine
     processes) instead of Ray forwarding it to the driver's terminal; None: forwarded."""

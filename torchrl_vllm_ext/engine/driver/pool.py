@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from torchrl_vllm_ext.engine import placement
 from torchrl_vllm_ext.engine.calls import DEATH_ERRORS, Outcomes, ReplicaCalls, actor_cause
 from torchrl_vllm_ext.engine.config import ServiceConfig
-from torchrl_vllm_ext.engine.driver import cluster
+from torchrl_vllm_ext.engine.driver import batch_invariance, cluster
 from torchrl_vllm_ext.engine.driver.start_order import StartGates, orders_starts
 from torchrl_vllm_ext.engine.fleet import ReplicaFleet, ReplicaState, ReplicaView, WeightsProvider
 from torchrl_vllm_ext.engine.replica.actor import (
@@ -213,6 +213,7 @@ class ReplicaPool(ReplicaCalls):
     async def open(self) -> None:
         """Plan what each replica reserves; call once, after Ray is connected."""
         self._res = cluster.plan_resources(self.config)
+        batch_invariance.check(self._res.use_gpu, self.config)
         self._driver_ip = ray.util.get_node_ip_address()
         self._orders_starts = orders_starts(
             cluster.shares_gpus(self._res), cluster.engine_kwargs(self._res, self.config)
@@ -256,7 +257,7 @@ class ReplicaPool(ReplicaCalls):
             model=cfg.model,
             engine_kwargs=cluster.engine_kwargs(res, cfg),
             weight_version=self.weight_version,
-            env=cluster.process_env(res, cfg),
+            env={**cluster.process_env(res, cfg), **batch_invariance.replica_env(cfg)},
             in_process=cluster.in_process_engine(res, cfg),
             actor_extension=cfg.actor_extension_cls,
             log_file=cfg.log_file,
