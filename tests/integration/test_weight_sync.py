@@ -193,7 +193,11 @@ def test_a_planned_push_mixes_routes_commits_one_version_and_brings_up_restarts(
     scheme = WeightSyncScheme(service, transport="storage")
     scheme.transport_impl.close()
     options = TransportOptions(bucket_bytes=1 << 20, deadline=scheme.deadline)
-    scheme.transport_impl = PlannedTransport(service.pool, options, planner=by_id)
+
+    class ByIdTransport(PlannedTransport):  # CPU replicas through a mixed plan
+        planner = staticmethod(by_id)
+
+    scheme.transport_impl = ByIdTransport(service.pool, options)
     with scheme:
         perturb(trainer, seed=11)
         report = scheme.push(trainer, version="planned-1")

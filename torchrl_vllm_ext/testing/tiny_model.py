@@ -330,8 +330,15 @@ def make_tiny_model(
             f"{target} exists and is not a tiny model made by make_tiny_model; "
             "pass an empty or new directory."
         )
+    _build(target, spec)
+    logger.info("built tiny %s model at %s", arch, target)
+    return target
+
+
+def _build(target: Path, spec: dict) -> None:
+    """Write the model beside ``target`` and rename it there, so a concurrent reader never
+    sees half a model."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so a concurrent reader never sees half a model.
     staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
         _write_model(staging, spec)
@@ -341,8 +348,6 @@ def make_tiny_model(
         os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    logger.info("built tiny %s model at %s", arch, target)
-    return target
 
 
 def _write_model(out: Path, spec: dict) -> None:

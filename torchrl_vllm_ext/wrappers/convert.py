@@ -23,7 +23,9 @@ GRPOLoss masks out), never 0.0; padding is 0.0.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -121,7 +123,6 @@ def generated_rows(
 
     ``with_prompt_logprobs=False`` ignores prompt scores even when present.
     """
-    Tokens, LogProbs, Masks, _, _ = tensorclasses()
     s = samples_of(batch, with_prompt_logprobs)
     P, R = s.prompt_lengths, s.response_lengths
     L = P + R
@@ -141,62 +142,61 @@ def generated_rows(
         prompt_lp = first_token_zero(s.prompt_logprobs.copy(), P)
         full_lp[p_pos] = prompt_lp
 
-    prompts_t, resps_t, full_t = (
-        split_rows(s.prompts, P),
-        split_rows(s.responses, R),
-        split_rows(full, L),
+    # Each sample's slice of every column (views into the flat tensors).
+    rows = _Columns(
+        prompt=split_rows(s.prompts, P),
+        response=split_rows(s.responses, R),
+        full=split_rows(full, L),
+        attention=torch.ones(full.shape, dtype=torch.bool).split(L.tolist()),
+        assistant=split_rows(assistant, L),
+        # Unscored prompts get NaN ("no score") like full's prompt slice: TorchRL's keys.
+        prompt_lp=split_rows(full_lp[p_pos], P),
+        response_lp=split_rows(s.response_logprobs, R),
+        full_lp=split_rows(full_lp, L),
+        fresh_from=torch.from_numpy(s.end_version_from).unbind(0),
+        cached=torch.from_numpy(s.cached_tokens).unbind(0),
     )
-    attn_t = torch.ones(full.shape, dtype=torch.bool).split(L.tolist())
-    asst_t = split_rows(assistant, L)
-    resp_lp_t, full_lp_t = split_rows(s.response_logprobs, R), split_rows(full_lp, L)
-    fresh_from_t = torch.from_numpy(s.end_version_from).unbind(0)
-    cached_t = torch.from_numpy(s.cached_tokens).unbind(0)
-    # Unscored prompts get NaN ("no score") like full's prompt slice: TorchRL's keys.
-    prompt_lp_t = split_rows(full_lp[p_pos], P)
-    unpadded = MetaData(False)
     extras = SharedStrings()
-    rows = []
-    for i in range(len(P)):
-        lp = {
-            "prompt": prompt_lp_t[i],
-            "response": resp_lp_t[i],
-            "full": full_lp_t[i],
-            "padded": unpadded,
+    return [_sample_row(rows, s, i, keys, extras) for i in range(len(P))]
+
+
+class _Columns(NamedTuple):
+    """Every column of a batch, split into one tensor per sample."""
+
+    prompt: Sequence[torch.Tensor]
+    response: Sequence[torch.Tensor]
+    full: Sequence[torch.Tensor]
+    attention: Sequence[torch.Tensor]
+    assistant: Sequence[torch.Tensor]
+    prompt_lp: Sequence[torch.Tensor]
+    response_lp: Sequence[torch.Tensor]
+    full_lp: Sequence[torch.Tensor]
+    fresh_from: Sequence[torch.Tensor]
+    cached: Sequence[torch.Tensor]
+
+
+def _sample_row(c: _Columns, s, i: int, keys: OutputKeys, extras: SharedStrings) -> TensorDict:
+    """Sample ``i`` as a 0-dim TensorDict of TorchRL's tensorclasses (unpadded)."""
+    Tokens, LogProbs, Masks, _, _ = tensorclasses()
+    unpadded = MetaData(False)
+    tokens = {"prompt": c.prompt[i], "response": c.response[i], "full": c.full[i]}
+    log_probs = {"prompt": c.prompt_lp[i], "response": c.response_lp[i], "full": c.full_lp[i]}
+    masks = {"all_attention_mask": c.attention[i], "all_assistant_mask": c.assistant[i]}
+    extra = {
+        VERSION: extras(s.weight_versions[i]),
+        END_VERSION: extras(s.weight_versions_end[i]),
+        END_FROM: c.fresh_from[i],
+        CACHED_TOKENS: c.cached[i],
+        FINISH_REASON: extras(s.finish_reasons[i]),
+    }
+    return row_td(
+        {
+            keys.tokens: row_tc(Tokens, {**tokens, "padded": unpadded}),
+            keys.log_probs: row_tc(LogProbs, {**log_probs, "padded": unpadded}),
+            keys.masks: row_tc(Masks, {**masks, "padded": unpadded}),
+            keys.extra: row_td(extra),
         }
-        rows.append(
-            row_td(
-                {
-                    keys.tokens: row_tc(
-                        Tokens,
-                        {
-                            "prompt": prompts_t[i],
-                            "response": resps_t[i],
-                            "full": full_t[i],
-                            "padded": unpadded,
-                        },
-                    ),
-                    keys.log_probs: row_tc(LogProbs, lp),
-                    keys.masks: row_tc(
-                        Masks,
-                        {
-                            "all_attention_mask": attn_t[i],
-                            "all_assistant_mask": asst_t[i],
-                            "padded": unpadded,
-                        },
-                    ),
-                    keys.extra: row_td(
-                        {
-                            VERSION: extras(s.weight_versions[i]),
-                            END_VERSION: extras(s.weight_versions_end[i]),
-                            END_FROM: fresh_from_t[i],
-                            CACHED_TOKENS: cached_t[i],
-                            FINISH_REASON: extras(s.finish_reasons[i]),
-                        }
-                    ),
-                }
-            )
-        )
-    return rows
+    )
 
 
 def generated_padded(

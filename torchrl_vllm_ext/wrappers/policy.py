@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from tensordict import LazyStackedTensorDict, NonTensorData, TensorDictBase, set_list_to_stack
 from tensordict.nn import TensorDictModuleBase
@@ -31,8 +32,10 @@ class _Call(NamedTuple):
 
     td: TensorDictBase
     read: inputs.PolicyInput
-    params: dict | list[dict]
+    params: dict
     lora: str | None = None
+    seeds: np.ndarray | None = None
+    """One int per element (``seed_key``), or None."""
 
 
 class VLLMPolicy(TensorDictModuleBase):
@@ -187,6 +190,7 @@ class VLLMPolicy(TensorDictModuleBase):
             timeout=self.timeout,
             lora=call.lora,
             return_log_probs=self._engine_log_probs,
+            seeds=call.seeds,
         )
         return self._finish(call, batch)
 
@@ -200,6 +204,7 @@ class VLLMPolicy(TensorDictModuleBase):
             timeout=self.timeout,
             lora=call.lora,
             return_log_probs=self._engine_log_probs,
+            seeds=call.seeds,
         )
         with set_list_to_stack(True):
             return self._finish(call, batch)
@@ -230,7 +235,8 @@ class VLLMPolicy(TensorDictModuleBase):
         inputs.check_vocab(read.token_ids, key, self._vocab_max())
         # An AdapterSync gives its newest version, fixed for this call.
         lora = self.lora if self.lora is None or isinstance(self.lora, str) else self.lora.current
-        return _Call(td, read, self._params(td, overrides, len(read.token_ids)), lora)
+        n = len(read.token_ids)
+        return _Call(td, read, self._params(overrides), lora, self._seeds(td, n))
 
     @property
     def _engine_log_probs(self) -> bool:
@@ -243,29 +249,32 @@ class VLLMPolicy(TensorDictModuleBase):
             self._max_token_id = self.service.max_token_id
         return self._max_token_id
 
-    def _params(self, td: TensorDictBase, overrides: Mapping[str, Any], n: int):
+    def _params(self, overrides: Mapping[str, Any]) -> dict:
         if not self.generate:
             return dict(SCORE_PARAMS)
         if "n" in overrides:
             raise InvalidRequestError(
                 "n cannot be overridden per call; build the policy with num_samples=G."
             )
-        params = {**self._sampling, **overrides}
-        seeds = td.get(self.seed_key, None) if self.seed_key is not None else None
+        return {**self._sampling, **overrides}
+
+    def _seeds(self, td: TensorDictBase, n: int) -> np.ndarray | None:
+        """The per-element seeds (``seed_key``) as one int64 array, or None."""
+        seeds = td.get(self.seed_key, None) if self.seed_key is not None and self.generate else None
         if seeds is None:
-            return params
+            return None
         if not isinstance(seeds, torch.Tensor) or seeds.dtype.is_floating_point:
             raise InvalidRequestError(
                 f"{inputs.key_str(self.seed_key)} must be an integer tensor (one seed per element), "
                 f"got {getattr(seeds, 'dtype', type(seeds).__name__)}."
             )
-        seeds = seeds.reshape(-1).tolist()
+        seeds = seeds.reshape(-1).cpu().numpy().astype(np.int64)
         if len(seeds) != n:
             raise InvalidRequestError(
                 f"{inputs.key_str(self.seed_key)} holds {len(seeds)} seeds for {n} prompts; give "
                 "one int per batch element (shape = batch size)."
             )
-        return [{**params, "seed": int(s)} for s in seeds]
+        return seeds
 
     def _finish(self, call: _Call, batch: RequestBatch) -> TensorDictBase:
         td, keys, read = call.td, self.keys, call.read

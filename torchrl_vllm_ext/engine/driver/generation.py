@@ -74,19 +74,37 @@ class Generation:
         routing=None,
         lora=None,
         return_log_probs: bool = True,
+        seeds=None,
     ) -> RequestBatch:
         """One batch, on the service's event loop; a :class:`RequestBatch` in input order.
 
         ``return_log_probs=False``: vLLM does not compute the sampled tokens' log-probs
-        (``RequestBatch.has_logprobs`` is False; the arrays hold NaN).
+        (``RequestBatch.has_logprobs`` is False; the arrays hold NaN). ``seeds``: an int per
+        prompt (the policy's), sent as one array with one ``SamplingParams``.
         """
         prompts = normalize_prompts(prompt_token_ids)
         adapter = self._adapters.get(lora) if lora is not None else None
-        base, seeds, per_prompt = split_seeds(sampling_params, len(prompts))
+        if seeds is not None:
+            base, per_prompt = sampling_params, None
+            seeds = np.asarray(seeds, dtype=np.int64).reshape(-1)
+            if len(seeds) != len(prompts):
+                raise InvalidRequestError(
+                    f"{len(seeds)} seeds for {len(prompts)} prompts; give one int per prompt."
+                )
+        else:
+            base, seeds, per_prompt = split_seeds(sampling_params, len(prompts))
         if per_prompt is not None:
             params = [make_sampling_params(p, want_logprobs=return_log_probs) for p in per_prompt]
         else:
             params = [make_sampling_params(base, want_logprobs=return_log_probs)] * len(prompts)
+        return await self._routed(
+            prompts, params, per_prompt is not None, seeds, timeout, routing, adapter
+        )
+
+    async def _routed(
+        self, prompts, params, per_prompt: bool, seeds, timeout, routing, adapter
+    ) -> RequestBatch:
+        """Validate, route, send, re-send what a dead replica lost, merge."""
         await self._pool.wait_ready()
         limits = self._pool.limits
         check_prompts(prompts, limits.max_token_id, limits.max_model_len)
@@ -119,7 +137,7 @@ class Generation:
                     idxs,
                     prompts,
                     params,
-                    per_prompt is not None,
+                    per_prompt,
                     seeds,
                     timeout,
                     f"{self._name}-b{batch}-a{attempt}",

@@ -176,7 +176,7 @@ class VLLMService:
 
     async def _launch(self) -> None:
         await self.pool.open()
-        # The driver's first vLLM import (SamplingParams: ~4 s on 2 cores) runs while the
+        # The driver's first vLLM import (SamplingParams: seconds) runs while the
         # replicas start, not at the first request.
         importing = asyncio.ensure_future(asyncio.to_thread(_driver_imports))
         await self.pool.start(self.config.num_replicas, "starting vLLM replicas")
@@ -343,15 +343,18 @@ class VLLMService:
         routing=None,
         lora=None,
         return_log_probs: bool = True,
+        seeds=None,
     ) -> RequestBatch:
         """Like :meth:`generate` but returns one :class:`RequestBatch` of flat arrays, in
         input order: the fastest form, which ``VLLMPolicy`` converts to a TensorDict.
         ``prompt_token_ids`` is a list of token-id sequences (no text: the hot path).
 
         ``return_log_probs=False`` skips vLLM's sampled-token log-probs (NaN in the batch).
+        ``seeds``: one int per prompt (an int64 array), each seeding its prompt's sampling
+        (``sampling_params`` then hold no seed); it stays one array up to the replica.
         """
         return await self._generation.run(
-            prompt_token_ids, sampling_params, timeout, routing, lora, return_log_probs
+            prompt_token_ids, sampling_params, timeout, routing, lora, return_log_probs, seeds
         )
 
     generate_request_batch, agenerate_request_batch = twins(_generate_request_batch)

@@ -9,22 +9,18 @@ worker-extension method that the caller names; the replica knows no transport.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
-import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._compat import (
+    PauseMode,
     engine_dead_errors,
-    kv_cache_bytes_logged,
-    kv_size_log_config,
     lora_request,
     release_distributed,
     vllm_engine_api,
@@ -34,6 +30,7 @@ from torchrl_vllm_ext.batches import PromptBatch, RequestBatch
 from torchrl_vllm_ext.engine.adapters import Adapter, stage_files
 from torchrl_vllm_ext.engine.outputs import pack_outputs, prompt_logprobs_of
 from torchrl_vllm_ext.engine.replica.engine import Engine
+from torchrl_vllm_ext.engine.replica.kv_size import KvSizeLog
 from torchrl_vllm_ext.engine.replica.stderr_tail import (
     StderrMark,
     explain,
@@ -41,7 +38,7 @@ from torchrl_vllm_ext.engine.replica.stderr_tail import (
     root_cause,
 )
 from torchrl_vllm_ext.engine.replica.torchrl_calls import TorchRLActorCalls
-from torchrl_vllm_ext.engine.serving import ServingState, check_pause_mode, update_steps
+from torchrl_vllm_ext.engine.serving import ServingState, update_steps
 from torchrl_vllm_ext.engine.validation import make_sampling_params, with_seed
 from torchrl_vllm_ext.errors import (
     GenerationTimeoutError,
@@ -65,7 +62,6 @@ loop, so it answers while the engine's start blocks the actor's loop (``AsyncLLM
 synchronously)."""
 CONCURRENCY_GROUPS = {WATCH_GROUP: 1}
 """The replica actor class's concurrency groups (``ray.remote(concurrency_groups=...)``)."""
-_LOGGING_CONFIG_ENV = "VLLM_LOGGING_CONFIG_PATH"
 
 
 @dataclass(frozen=True)
@@ -133,10 +129,9 @@ class VLLMReplica(TorchRLActorCalls):
         self._extension = load_class(spec.actor_extension)() if spec.actor_extension else None
         self._shipped: Path | None = None  # adapters shipped to this node (stage_files)
         self._tmp: Path | None = None  # this process's TMPDIR (vLLM's rendezvous, sockets)
-        # The file the starting engine's workers log their KV-cache size to (read by
-        # kv_cache_size from another thread), and whether the start is over.
-        self._kv_log: Path | None = None
-        self._start_over = False
+        # The KV-cache size the starting engine logs (read by kv_cache_size from another
+        # thread).
+        self._kv_log = KvSizeLog()
         self.engine: Engine | None = None
 
     def preload(self) -> None:
@@ -157,11 +152,11 @@ class VLLMReplica(TorchRLActorCalls):
             report_kv_size: route the workers' KV-size log lines to a file of this replica,
                 which :meth:`kv_cache_size` reads while the engine still starts.
         """
-        self._start_over = False
+        self._kv_log.over = False
         try:
             return await self._start(kv_cache_memory_bytes, report_kv_size)
         finally:
-            self._start_over = True
+            self._kv_log.over = True
 
     async def _start(self, kv_cache_memory_bytes: int | None, report_kv_size: bool) -> ReplicaInfo:
         # A replica killed on this node (SIGKILL: no cleanup) left its shipped adapters
@@ -176,14 +171,14 @@ class VLLMReplica(TorchRLActorCalls):
         stderr_mark = StderrMark()  # an engine-core process's traceback lands past it
         try:
             args = api.AsyncEngineArgs(model=self._model, **kwargs)
-            with self._kv_size_reported(report_kv_size):
+            with self._kv_log.routed(self._tmp, report_kv_size):
                 self.engine = await self._engine_class.start(args)
             await self.engine.set_weight_version(self._version)
             # One token through the model before taking traffic, with the options every
             # request has (sampled-token log-probs): vLLM-CPU runs no forward pass while
             # it starts, so a kernel it lacks for this model (an unsupported head size,
             # say) would otherwise kill the replica in its first batch, and that batch
-            # would also pay the first log-prob computation (~2 s on 2 cores).
+            # would also pay the first log-prob computation.
             await self.engine.generate(
                 [{"prompt_token_ids": [0]}],
                 [make_sampling_params({"max_tokens": 1})],
@@ -201,7 +196,7 @@ class VLLMReplica(TorchRLActorCalls):
         import ray
 
         limits = self.engine.limits
-        logged = self._logged_kv_size()
+        logged = self._kv_log.size()
         info = ReplicaInfo(
             replica_id=self.replica_id,
             pid=os.getpid(),
@@ -216,45 +211,12 @@ class VLLMReplica(TorchRLActorCalls):
         logger.info("replica %d ready: %s", self.replica_id, info)
         return info
 
-    @contextlib.contextmanager
-    def _kv_size_reported(self, report: bool) -> Iterator[None]:
-        """While the engine starts (``report``): its processes log their workers' KV-size
-        lines to a file in this replica's temporary directory (removed with it), through
-        ``VLLM_LOGGING_CONFIG_PATH``; every other log line goes where vLLM sends it."""
-        config = kv_size_log_config(str(self._tmp / "kv-size.log")) if report else None
-        if config is None:
-            yield
-            return
-        path = self._tmp / "vllm-logging.json"
-        path.write_text(json.dumps(config))
-        self._kv_log = Path(config["handlers"]["torchrl_vllm_kv_size"]["filename"])
-        saved = os.environ.get(_LOGGING_CONFIG_ENV)
-        os.environ[_LOGGING_CONFIG_ENV] = str(path)  # the engine-core process inherits it
-        try:
-            yield
-        finally:
-            if saved is None:
-                os.environ.pop(_LOGGING_CONFIG_ENV, None)
-            else:
-                os.environ[_LOGGING_CONFIG_ENV] = saved
-
-    def _logged_kv_size(self) -> int | None:
-        try:
-            return kv_cache_bytes_logged(self._kv_log.read_text()) if self._kv_log else None
-        except OSError:  # not written yet
-            return None
-
     async def kv_cache_size(self, poll_s: float = 0.25) -> int | None:
         """The KV-cache size (bytes) the engine being started logged, as soon as it does:
         after vLLM's memory profile, before CUDA-graph capture. None when the start ended
         without one (it was not started with ``report_kv_size``, vLLM's logging is off, the
         start failed). Called in :data:`WATCH_GROUP`, beside :meth:`start`."""
-        while True:
-            over = self._start_over  # read first: one more look at the file after the end
-            size = self._logged_kv_size()
-            if size is not None or over:
-                return size
-            await asyncio.sleep(poll_s)
+        return await self._kv_log.wait(poll_s)
 
     def visible_devices(self) -> tuple[str, str]:
         """``(node, CUDA_VISIBLE_DEVICES)`` of this actor, before its engine starts: the GPU
@@ -263,12 +225,6 @@ class VLLMReplica(TorchRLActorCalls):
         import ray
 
         return ray.util.get_node_ip_address(), os.environ.get("CUDA_VISIBLE_DEVICES", "")
-
-    def child_pids(self) -> list[int]:
-        """Processes the engine runs in (for tests that check nothing is left behind)."""
-        import psutil
-
-        return [p.pid for p in psutil.Process().children(recursive=True)]
 
     # ------------------------------------------------------------------ generation
     async def generate(
@@ -403,10 +359,10 @@ class VLLMReplica(TorchRLActorCalls):
         if self._state.serving:
             await self._require_engine().resume()
 
-    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
+    async def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
         """Free the accelerator's memory (vLLM sleep mode; requests wait until woken)."""
         state = self._state.slept(level)
-        await self._require_engine().sleep(level, check_pause_mode(mode))
+        await self._require_engine().sleep(level, mode)
         self._state = state
 
     async def wake_up(self, tags: list[str] | None = None) -> None:

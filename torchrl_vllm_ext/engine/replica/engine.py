@@ -9,7 +9,8 @@
   engine-core process (GPU and tensor/pipeline-parallel replicas).
 
 Both give the same tokens and log-probs. Pause modes are vLLM's (``abort`` / ``wait`` /
-``keep``), checked by :func:`~torchrl_vllm_ext.engine.serving.check_pause_mode` for both.
+``keep``), checked once where the user gives one (the service's ``pause`` / ``sleep``, the
+weight-sync scheme: :func:`~torchrl_vllm_ext.engine.serving.check_pause_mode`).
 Which adapter a replica gets: :func:`~torchrl_vllm_ext.engine.replica.actor.engine_class`.
 """
 
@@ -20,7 +21,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchrl_vllm_ext._compat import EngineLimits, PauseMode, SchedulerLoad
-from torchrl_vllm_ext.engine.serving import check_pause_mode
 from torchrl_vllm_ext.errors import ConfigurationError
 
 
@@ -82,10 +82,11 @@ class Engine(abc.ABC):
     async def abort(self, request_ids: Sequence[str]) -> None:
         """Abort requests by id (idempotent; unknown ids are ignored)."""
 
-    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+    async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
         """Stop scheduling: ``abort`` in-flight requests, ``wait`` for them, or ``keep`` them
-        frozen; requests sent while paused start on :meth:`resume`."""
-        await self._pause(check_pause_mode(mode), clear_cache)
+        frozen; requests sent while paused start on :meth:`resume` (``mode`` was checked
+        where the user gave it: the service's ``pause`` / ``sleep``, the scheme)."""
+        await self._pause(mode, clear_cache)
 
     @abc.abstractmethod
     async def _pause(self, mode: PauseMode, clear_cache: bool) -> None: ...

@@ -35,7 +35,6 @@ from torchrl_vllm_ext._compat import (
     tokens_so_far,
 )
 from torchrl_vllm_ext.engine.replica.engine import Engine
-from torchrl_vllm_ext.engine.serving import check_pause_mode
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +135,6 @@ class InprocEngine(Engine):
         (between two steps); a ``wait`` pause drains first (the default's two calls)."""
         if pause_mode == "wait":
             return await super().update_call(method, args, pause_mode, clear_cache)
-        if pause_mode is not None:
-            check_pause_mode(pause_mode)
 
         def pause_and_call():
             if pause_mode is not None:

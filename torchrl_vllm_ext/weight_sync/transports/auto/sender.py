@@ -56,9 +56,6 @@ class PlannedTransport(Transport):
         options: what every route's transport is made with (``bucket_bytes`` of the
             packed routes, ``deadline``, ``storage_dir``: the storage route's root, a
             directory other hosts share makes them storage routes too).
-        planner: ``(trainer, workers, shared_dir) -> TransportPlan``;
-            :func:`~.plan.plan_routes` unless given (tests route CPU replicas through
-            mixed plans with it).
 
     Examples:
         >>> scheme = WeightSyncScheme(gpu_service)  # doctest: +SKIP
@@ -68,10 +65,11 @@ class PlannedTransport(Transport):
 
     name = "auto"
     loads_one_at_a_time = False  # an NCCL layer reaches its replicas in one collective
+    planner = staticmethod(plan_routes)
+    """``(trainer, workers, shared_dir) -> TransportPlan`` (:func:`~.plan.plan_routes`)."""
 
-    def __init__(self, fleet, options: TransportOptions, planner=plan_routes):
+    def __init__(self, fleet, options: TransportOptions):
         super().__init__(fleet, options)
-        self.planner = planner
         self.plan: TransportPlan | None = None
         self._subs: dict[tuple[Route, int], Transport] = {}
         self._places: dict[tuple[int, int], list[Place]] = {}  # (replica, pid) -> workers

@@ -202,7 +202,8 @@ class BroadcastTransport(Transport):
         header_json, buffers = to_json(packed.header), packed.buffers
         handle = replica.handle
         limit = self.deadline.for_bytes(sum(b.numel() * b.element_size() for b in buffers))
-        group = await self._form_group([replica], limit)
+        # Not in the pool's snapshot yet (it takes no traffic): its handle, directly.
+        group = await self._form_group([replica], limit, through_pool=False)
         try:
             ref = handle.collective_rpc.remote(WorkerMethods.RECEIVE_BROADCAST, (header_json,))
             await asyncio.to_thread(group.send, buffers)
@@ -212,27 +213,45 @@ class BroadcastTransport(Transport):
             group.close()
 
     # ------------------------------------------------------------------ the group
-    async def _form_group(self, replicas: Replicas, timeout_s: float) -> BroadcastGroup:
+    async def _form_group(
+        self, replicas: Replicas, timeout_s: float, through_pool: bool = True
+    ) -> BroadcastGroup:
         """Rank 0 here, every worker of ``replicas`` after it; collectives time out after
-        ``timeout_s``."""
+        ``timeout_s``. The joins go through the pool's death policy (``through_pool``), as
+        every call of a push does; a replica being brought up is called directly."""
         host = ray.util.get_node_ip_address()
         listener = listen(host)  # bound before the workers are told its port: no race
         port = listener.getsockname()[1]
         n = self.fleet.workers_per_replica
         world = 1 + n * len(replicas)
-        joins = [
-            r.handle.collective_rpc.remote(
-                WorkerMethods.INIT_BROADCAST,
-                (host, port, world, 1 + i * n, self.backend, timeout_s),
-            )
-            for i, r in enumerate(replicas)
-        ]
+        offsets = {r.replica_id: 1 + i * n for i, r in enumerate(replicas)}
+
+        def join(r):
+            args = (host, port, world, offsets[r.replica_id], self.backend, timeout_s)
+            return r.handle.collective_rpc.remote(WorkerMethods.INIT_BROADCAST, args)
+
+        if through_pool:
+            joins = self.fleet.call_each(join, replicas, "collective_rpc", deadline=timeout_s)
+        else:
+            joins = asyncio.gather(*(join(r) for r in replicas))
+        joining = asyncio.ensure_future(joins)
         # Rank 0's store blocks until every worker joined.
-        group = await asyncio.to_thread(
-            BroadcastGroup, self.backend, host, port, world, timeout_s, listener
-        )
         try:
-            await asyncio.wait_for(asyncio.gather(*joins), timeout_s)
+            group = await asyncio.to_thread(
+                BroadcastGroup, self.backend, host, port, world, timeout_s, listener
+            )
+        except BaseException:
+            await asyncio.gather(joining, return_exceptions=True)
+            raise
+        try:
+            joined = await asyncio.wait_for(joining, timeout_s)
+            failed = {**joined.dead, **joined.errors} if isinstance(joined, Outcomes) else {}
+            if failed:
+                raise WeightSyncError(
+                    f"replica(s) {sorted(failed)} could not join the broadcast group "
+                    f"({'; '.join(map(str, failed.values()))}); nothing was sent. The dead are "
+                    "restarted at the live version; push again."
+                )
         except BaseException:
             group.close()
             raise
