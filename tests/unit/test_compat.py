@@ -169,7 +169,7 @@ def test_cpu_replicas_skip_the_aot_compile_their_build_cannot_load_back(monkeypa
     assert _engine_env()["VLLM_USE_AOT_COMPILE"] == "0"
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # the user's own setting wins
     assert _engine_env()["VLLM_USE_AOT_COMPILE"] == "1"
-    monkeypatch.setattr(_compat, "vllm_build_drives_gpus", lambda: True)
+    monkeypatch.setattr(_compat.driver, "vllm_build_drives_gpus", lambda: True)
     assert "VLLM_USE_AOT_COMPILE" not in _compat.engine_env_defaults()  # GPU: vLLM's default
 
 
