@@ -101,7 +101,7 @@ def per_param_pattern(scheme, tensors: dict[str, torch.Tensor]) -> None:
     """One header RPC to every replica plus one broadcast, per parameter; each is loaded."""
     import ray
 
-    from torchrl_vllm_ext.protocol import WorkerMethods
+    from torchrl_vllm_ext.extensions import WorkerMethods
     from torchrl_vllm_ext.weight_sync.specs import to_json
     from torchrl_vllm_ext.weight_sync.transports.packing import pack
 

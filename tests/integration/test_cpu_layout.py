@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from vllm import LLM, SamplingParams
 
-from torchrl_vllm_ext.protocol import WORKER_EXTENSION
+from torchrl_vllm_ext.extensions import WORKER_EXTENSION
 from torchrl_vllm_ext.weight_sync.cpu_layout import loads_in_place
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
 from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotWriter

@@ -260,7 +260,7 @@ def test_each_ipc_replica_process_gets_its_own_share_kept_from_push_to_push(monk
     from types import SimpleNamespace
 
     from torchrl_vllm_ext.engine.fleet import ReplicaView
-    from torchrl_vllm_ext.protocol import WorkerMethods
+    from torchrl_vllm_ext.extensions import WorkerMethods
     from torchrl_vllm_ext.weight_sync.specs import IpcUpdate, from_json
     from torchrl_vllm_ext.weight_sync.transports.ipc import sender
     from torchrl_vllm_ext.weight_sync.transports.protocol import TransportOptions

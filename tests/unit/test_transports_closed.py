@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from torchrl_vllm_ext.protocol import load_class
+from torchrl_vllm_ext.extensions import load_class
 from torchrl_vllm_ext.weight_sync.transports import registry
 from torchrl_vllm_ext.weight_sync.transports.protocol import Transport
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -87,16 +88,27 @@ def test_checksum_sees_any_change():
     assert checksum(t2) != c and checksum(t.clone()) == c
 
 
+def _numpy_checksum(t: torch.Tensor) -> int:
+    """The checksum's definition, in numpy: uint64 words (tail zero-padded) + byte count."""
+    raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    words = raw[: raw.size - raw.size % 8].view(np.uint64)
+    total = int(words.sum(dtype=np.uint64))
+    if raw.size % 8:
+        tail = np.zeros(8, dtype=np.uint8)
+        tail[: raw.size % 8] = raw[raw.size - raw.size % 8 :]
+        total += int(tail.view(np.uint64)[0])
+    return (total + raw.size) % (1 << 64)
+
+
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 4096 + 5])
-def test_device_checksum_equals_the_numpy_checksum(nbytes):
-    """The GPU path sums buckets where they live; the value must equal the host one (the
-    storage slots' and the trainer's), including sums that wrap past 2**64."""
-    from torchrl_vllm_ext.weight_sync.params import checksum, device_checksum
+def test_the_checksum_follows_its_definition_and_wraps(nbytes):
+    """Buckets are summed where they live; the value must be the definition's (the storage
+    slots', the trainer's), including sums that wrap past 2**64."""
+    from torchrl_vllm_ext.weight_sync.params import checksum, device_checksums
 
     g = torch.Generator().manual_seed(nbytes)
     t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
-    assert device_checksum(t) == checksum(t)
     full = torch.full((1024,), 255, dtype=torch.uint8)  # every word 2**64 - 1: wraps
-    assert device_checksum(full) == checksum(full)
     bf16 = torch.randn(3, 5, generator=g).to(torch.bfloat16)
-    assert device_checksum(bf16) == checksum(bf16)
+    assert device_checksums([t, full, bf16]) == [_numpy_checksum(x) for x in (t, full, bf16)]
+    assert checksum(t) == _numpy_checksum(t)

@@ -16,13 +16,13 @@ from typing import Any
 from torchrl_vllm_ext.engine.placement import PLACEMENTS
 from torchrl_vllm_ext.engine.routing import validate_strategies
 from torchrl_vllm_ext.errors import ConfigurationError
-from torchrl_vllm_ext.hf import model_dir
-from torchrl_vllm_ext.protocol import (
+from torchrl_vllm_ext.extensions import (
     ACTOR_EXTENSION,
     ENGINE_UPDATES,
     PACKED_WEIGHTS_ENV,
     WORKER_EXTENSION,
 )
+from torchrl_vllm_ext.hf import model_dir
 
 DEFAULT_ROUTING = ("session", "prefix", "least_outstanding")
 MAX_SHARE_OF_SLICE = 0.95

@@ -1,9 +1,9 @@
 """The weight-sync actor extension: work done in a replica's Ray actor, beside its engine.
 
 The replica instantiates it (``ServiceConfig.actor_extension_cls``:
-:data:`torchrl_vllm_ext.protocol.ACTOR_EXTENSION`, a stable dotted path) and runs its public
+:data:`torchrl_vllm_ext.extensions.ACTOR_EXTENSION`, a stable dotted path) and runs its public
 methods through ``VLLMReplica.extension_call`` (names in
-:class:`torchrl_vllm_ext.protocol.ActorMethods`). The class is the union of the transports'
+:class:`torchrl_vllm_ext.extensions.ActorMethods`). The class is the union of the transports'
 actor parts (:func:`~.transports.registry.actor_parts`; today storage's checksum pass).
 """
 

@@ -108,7 +108,7 @@ class ArrivalCheck:
     def limit(self, expected: Reference) -> float:
         return self.tol if self.tol is not None else expected.limit
 
-    def served_dtype(self, replicas: Replicas) -> str:
+    def served_dtype_name(self, replicas: Replicas) -> str:
         """The dtype the replicas serve (as they report it; the configured one otherwise)."""
         reported = {r.info.dtype for r in replicas if getattr(r.info, "dtype", "")}
         if len(reported) > 1:
@@ -141,7 +141,7 @@ class ArrivalCheck:
         them itself, else None); None when this push is not checked."""
         if self.mode == "never" or (self.mode == "first" and self.verified_pushes):
             return None
-        dtype = self.served_dtype(replicas)
+        dtype = self.served_dtype_name(replicas)
 
         def run() -> tuple[Reference, float]:
             t0 = time.perf_counter()

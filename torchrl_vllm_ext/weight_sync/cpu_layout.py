@@ -25,7 +25,7 @@ from torchrl_vllm_ext._compat import (
     module_packs_weights,
     replace_cpu_gemm_dispatch,
 )
-from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV
+from torchrl_vllm_ext.extensions import PACKED_WEIGHTS_ENV
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,6 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -41,35 +40,22 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def checksum(t: torch.Tensor) -> int:
-    """Sum of the tensor's bytes as little-endian uint64 words (tail bytes zero-padded), mod 2**64.
+    """Sum of the tensor's bytes as little-endian uint64 words (tail bytes zero-padded), plus
+    its byte count, mod 2**64, computed where ``t`` lives (:func:`device_checksums` of one).
 
     Fast (memory bandwidth) and order-sensitive enough to catch torn or stale
     data; it is an integrity check, not a cryptographic one.
-    """
-    raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
-    words = raw[: raw.size - raw.size % 8].view(np.uint64)
-    total = int(words.sum(dtype=np.uint64))
-    if raw.size % 8:
-        tail = np.zeros(8, dtype=np.uint8)
-        tail[: raw.size % 8] = raw[raw.size - raw.size % 8 :]
-        total += int(tail.view(np.uint64)[0])
-    return (total + raw.size) % (1 << 64)
-
-
-def device_checksum(t: torch.Tensor) -> int:
-    """:func:`checksum`, computed where ``t`` lives (a GPU bucket is summed on its GPU: one
-    8-byte answer crosses to the host, not the bucket).
 
     Examples:
-        >>> t = torch.arange(11, dtype=torch.uint8)
-        >>> device_checksum(t) == checksum(t)
+        >>> checksum(torch.arange(11, dtype=torch.uint8)) == device_checksums(
+        ...     [torch.arange(11, dtype=torch.uint8)])[0]
         True
     """
     return device_checksums([t])[0]
 
 
 def device_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """:func:`checksum` of each tensor, each summed where it lives, read back with one host
+    """The checksum of each tensor, each summed where it lives, read back with one host
     sync per device (not one per tensor: a push's buckets or tensors are checked at
     memory speed).
 

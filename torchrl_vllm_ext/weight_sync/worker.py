@@ -1,12 +1,12 @@
 """vLLM worker extension: the receiving end of every weight-sync transport.
 
-vLLM mixes ``worker_extension_cls`` (:data:`torchrl_vllm_ext.protocol.WORKER_EXTENSION`, a
+vLLM mixes ``worker_extension_cls`` (:data:`torchrl_vllm_ext.extensions.WORKER_EXTENSION`, a
 stable dotted path) into every model worker by inheritance; the replica actor calls its
 methods through ``collective_rpc``. Every method is a one-line delegation to the one object
 the worker holds, :class:`WorkerWeightSync` (built at the first call: the shared staging and
 loading step, :class:`~.loading.loads.Loads`, and each transport's receiver over it), so no
 state of ours is spread over vLLM's ``Worker``. Method names and arguments are declared in
-:class:`torchrl_vllm_ext.protocol.WorkerMethods`; arguments and results are plain data.
+:class:`torchrl_vllm_ext.extensions.WorkerMethods`; arguments and results are plain data.
 Every method verifies what it received before it touches the served weights.
 """
 

@@ -25,7 +25,7 @@ from torchrl_vllm_ext import _compat
 from torchrl_vllm_ext._compat import CPU_KV_CACHE_BYTES_DEFAULT
 from torchrl_vllm_ext.engine import placement
 from torchrl_vllm_ext.errors import InsufficientResourcesError
-from torchrl_vllm_ext.protocol import PACKED_WEIGHTS_ENV, SETTINGS_PREFIX
+from torchrl_vllm_ext.extensions import PACKED_WEIGHTS_ENV, SETTINGS_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def process_env(res: ReplicaResources, config) -> dict[str, str | None]:
 
     On GPU, vLLM's defaults (Ray sets OMP_NUM_THREADS for its workers: unset it).
     On both, every ``TORCHRL_VLLM_*`` setting of the driver's environment reaches the
-    workers (:data:`~torchrl_vllm_ext.protocol.SETTINGS_PREFIX`: ``TORCHRL_VLLM_LOAD_PLAN``,
+    workers (:data:`~torchrl_vllm_ext.extensions.SETTINGS_PREFIX`: ``TORCHRL_VLLM_LOAD_PLAN``,
     a test extension's settings).
     """
     passed = {k: v for k, v in os.environ.items() if k.startswith(SETTINGS_PREFIX)}

@@ -31,7 +31,7 @@ from torchrl_vllm_ext._compat import vllm_engine_api
 from torchrl_vllm_ext.batches import RequestBatch
 from torchrl_vllm_ext.engine.outputs import to_request_output
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
-from torchrl_vllm_ext.protocol import load_class
+from torchrl_vllm_ext.extensions import load_class
 
 logger = logging.getLogger(__name__)
 

@@ -48,8 +48,8 @@ from torchrl_vllm_ext.errors import (
     ReplicaStartupError,
     WeightSyncError,
 )
+from torchrl_vllm_ext.extensions import WorkerMethods, load_class
 from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats
-from torchrl_vllm_ext.protocol import WorkerMethods, load_class
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class ReplicaSpec:
     process (see :mod:`torchrl_vllm_ext.engine.replica.engine`)."""
     actor_extension: str | None = None
     """Dotted path of a class instantiated in the actor, whose public methods
-    :meth:`VLLMReplica.extension_call` runs (see :mod:`torchrl_vllm_ext.protocol`)."""
+    :meth:`VLLMReplica.extension_call` runs (see :mod:`torchrl_vllm_ext.extensions`)."""
     log_file: str | None = None
     """Append the actor's output (and its children's) to this file."""
     engine_cls: str | None = None
@@ -435,7 +435,7 @@ class VLLMReplica(TorchRLActorCalls):
             raise InvalidRequestError(
                 f"replica {self.replica_id}: the actor extension "
                 f"{type(self._extension).__name__} has no public method {method!r}; see "
-                "torchrl_vllm_ext.protocol.ActorMethods for the methods it offers."
+                "torchrl_vllm_ext.extensions.ActorMethods for the methods it offers."
             )
         result = fn(*args)
         return await result if inspect.isawaitable(result) else result

@@ -23,7 +23,7 @@ from torchrl_vllm_ext._compat import worker_reload_weights
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync import cpu_layout
 from torchrl_vllm_ext.weight_sync.loading.planned import LoadReport, PlannedLoader, model_state
-from torchrl_vllm_ext.weight_sync.loading.staging import Place, StagingArea, staging_place
+from torchrl_vllm_ext.weight_sync.loading.staging import StagingArea, StagingPlace, staging_place
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class Loads:
             )
         return self.staged
 
-    def copy_in(self, tensors, device, place: Place) -> Named:
+    def copy_in(self, tensors, device, place: StagingPlace) -> Named:
         """Copy ``tensors`` into the staging buffer on ``device`` (or pinned host memory:
         ``place``), on a side stream so the engine's own work is not ordered behind it."""
         specs = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from torchrl_vllm_ext.protocol import LOAD_PLAN_ENV
+from torchrl_vllm_ext.extensions import LOAD_PLAN_ENV
 from torchrl_vllm_ext.weight_sync.loading.plan import (
     BoundPlan,
     LoadPlan,

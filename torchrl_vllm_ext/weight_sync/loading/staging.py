@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-Place = Literal["device", "pinned", "mapped"]
+StagingPlace = Literal["device", "pinned", "mapped"]
 
 GIB = 1 << 30
 ALIGN = 256
@@ -50,7 +50,7 @@ def staging_place(
     sleep_mode: bool = False,
     host_free_bytes: int | None = None,
     copies_on_host: int = 1,
-) -> Place:
+) -> StagingPlace:
     """``device`` if ``nbytes`` of staging fit on the GPU with :func:`headroom` to spare
     (``held_bytes``: a device staging buffer this worker holds already, reused), else
     ``pinned``; never ``device`` for a replica with ``sleep_mode`` (module docstring).
@@ -98,7 +98,7 @@ class StagingArea:
     """
 
     def __init__(self):
-        self.place: Place | None = None
+        self.place: StagingPlace | None = None
         self.key: tuple | None = None
         self.buffer: torch.Tensor | None = None
         self.views: dict[str, torch.Tensor] = {}
@@ -113,7 +113,10 @@ class StagingArea:
         return self.nbytes if self.place == "device" else 0
 
     def reserve(
-        self, specs: Sequence[tuple[str, tuple, torch.dtype]], place: Place, device: torch.device
+        self,
+        specs: Sequence[tuple[str, tuple, torch.dtype]],
+        place: StagingPlace,
+        device: torch.device,
     ) -> bool:
         """Hold a buffer for ``specs`` (name, shape, dtype) in ``place`` (``device``: on
         ``device``; ``pinned``: page-locked host memory); True when it was (re)allocated,

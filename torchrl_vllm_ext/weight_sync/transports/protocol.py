@@ -57,7 +57,7 @@ class WorkerCall:
     """The worker-extension call a replica makes inside its pause (plain-data arguments)."""
 
     method: str
-    """A :class:`~torchrl_vllm_ext.protocol.WorkerMethods` name."""
+    """A :class:`~torchrl_vllm_ext.extensions.WorkerMethods` name."""
     args: tuple = ()
     """Its positional arguments."""
 
@@ -138,7 +138,7 @@ async def wait_staged(
     fails the push. Raises :class:`WeightSyncError` after ``limit_s`` seconds."""
     import asyncio
 
-    from torchrl_vllm_ext.protocol import WorkerMethods
+    from torchrl_vllm_ext.extensions import WorkerMethods
 
     loop = asyncio.get_running_loop()
     end = loop.time() + limit_s

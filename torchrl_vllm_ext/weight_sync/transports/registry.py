@@ -11,7 +11,7 @@ with a backend each).
 
 To add a transport: a folder ``transports/<name>/`` with ``sender.py`` (a ``Transport``) and
 ``receiver.py`` (built over the worker's :class:`~torchrl_vllm_ext.weight_sync.loading.loads.Loads`),
-its worker methods declared in :mod:`torchrl_vllm_ext.protocol` and delegated to it in
+its worker methods declared in :mod:`torchrl_vllm_ext.extensions` and delegated to it in
 :mod:`torchrl_vllm_ext.weight_sync.worker`, and one :class:`TransportInfo` below.
 """
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torchrl_vllm_ext.protocol import load_class
+from torchrl_vllm_ext.extensions import load_class
 
 _PKG = "torchrl_vllm_ext.weight_sync.transports"
 

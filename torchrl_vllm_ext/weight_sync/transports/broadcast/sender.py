@@ -24,7 +24,7 @@ import ray
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.protocol import WorkerMethods
+from torchrl_vllm_ext.extensions import WorkerMethods
 from torchrl_vllm_ext.weight_sync.specs import to_json
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup, listen
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots

@@ -26,7 +26,7 @@ import time
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.protocol import WorkerMethods
+from torchrl_vllm_ext.extensions import WorkerMethods
 from torchrl_vllm_ext.weight_sync.specs import IpcUpdate, to_json
 from torchrl_vllm_ext.weight_sync.transports.ipc.handles import SharedBuckets, share
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots

@@ -9,7 +9,7 @@ from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotReader
 
 
 class StorageActor:
-    """Actor methods of the storage transport (:class:`torchrl_vllm_ext.protocol.ActorMethods`).
+    """Actor methods of the storage transport (:class:`torchrl_vllm_ext.extensions.ActorMethods`).
 
     Examples:
         >>> ray.get(handle.extension_call.remote(ActorMethods.STAGE_STORAGE, (root, "3")))  # doctest: +SKIP

@@ -27,7 +27,7 @@ import torch
 
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.protocol import ActorMethods, WorkerMethods
+from torchrl_vllm_ext.extensions import ActorMethods, WorkerMethods
 from torchrl_vllm_ext.weight_sync.params import require_all_finite, require_finite
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed

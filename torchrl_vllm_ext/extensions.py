@@ -1,7 +1,7 @@
-"""The replica side of weight sync, declared once: where its receivers live and what they offer.
+"""The replica's two extensions, declared once: where they live and what they offer.
 
 A replica hosts two extensions, both named by dotted path in
-:class:`~torchrl_vllm_ext.engine.driver.service.ServiceConfig` so that ``engine/`` never imports
+:class:`~torchrl_vllm_ext.engine.config.ServiceConfig` so that ``engine/`` never imports
 ``weight_sync/``:
 
 - the **worker extension**, which vLLM mixes into every model worker
@@ -19,7 +19,7 @@ with these parameters.
 from __future__ import annotations
 
 WORKER_EXTENSION = "torchrl_vllm_ext.weight_sync.worker.WeightSyncWorkerExtension"
-"""vLLM ``worker_extension_cls`` of every replica: the receivers of both transports."""
+"""vLLM ``worker_extension_cls`` of every replica: every transport's receiver."""
 ACTOR_EXTENSION = "torchrl_vllm_ext.weight_sync.actor.WeightSyncActorExtension"
 """Actor extension of every replica: storage staging in the actor."""
 ENGINE_UPDATES = "torchrl_vllm_ext.weight_sync.engine_updates.EngineUpdates"
