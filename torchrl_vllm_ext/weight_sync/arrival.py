@@ -80,14 +80,15 @@ class ArrivalCheck:
     """The value check of one scheme's pushes.
 
     Args:
-        service: the service pushed to (its pool, config and model directory).
+        fleet: the replicas pushed to (the service's pool).
+        config: the service's config (the model directory, the configured dtype).
         names: the scheme's :class:`~.checkpoint_names.CheckpointNames` (the reference
             model's writers).
         verify: ``"first"``, ``"always"``, ``"never"`` (or a bool).
         verify_tol: a fixed limit on the mean |log-prob gap|; None derives it per push.
     """
 
-    def __init__(self, service, names, verify: bool | str, verify_tol: float | None):
+    def __init__(self, fleet, config, names, verify: bool | str, verify_tol: float | None):
         self.mode = {True: "always", False: "never"}.get(verify, verify)
         if self.mode not in VERIFY:
             raise ConfigurationError(f"verify={verify!r} is not one of {VERIFY} (or a bool).")
@@ -97,12 +98,13 @@ class ArrivalCheck:
                 "derive the limit at each push from the served dtype."
             )
         self.tol = verify_tol
-        self.service = service
+        self.fleet = fleet
+        self.config = config
         self.names = names
         self.verified_pushes = 0
         self.deferred: Deferred | None = None
         """The check of replicas that could not run the probe yet, if any."""
-        self._probe = probe_ids(service.config.model)
+        self._probe = probe_ids(config.model)
         self._reference_model: ReferenceModel | None = None
 
     def limit(self, expected: Reference) -> float:
@@ -119,7 +121,7 @@ class ArrivalCheck:
             )
         if reported:
             return reported.pop()
-        configured = str(self.service.config.engine_kwargs.get("dtype", "auto"))
+        configured = str(self.config.engine_kwargs.get("dtype", "auto"))
         # NOTE: vLLM serves a float32 checkpoint in bfloat16 under "auto" on GPUs.
         return "bfloat16" if configured == "auto" else configured
 
@@ -150,7 +152,7 @@ class ArrivalCheck:
             else:
                 if self._reference_model is None:
                     self._reference_model = ReferenceModel(
-                        self.service.config.model, self.names.checkpoint_writers
+                        self.config.model, self.names.checkpoint_writers
                     )
                 out = self._reference_model.reference(tensors, self._probe, dtype)
             return out, time.perf_counter() - t0
@@ -179,7 +181,7 @@ class ArrivalCheck:
                 sorted(later),
             )
         t0 = time.perf_counter()
-        pool = self.service.pool
+        pool = self.fleet
         views = [
             v for v in pool.ready() if v.replica_id in loaded.results and v.replica_id not in later
         ]

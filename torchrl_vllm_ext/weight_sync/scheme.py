@@ -37,7 +37,7 @@ import torch
 
 from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.engine.calls import Outcomes
-from torchrl_vllm_ext.engine.fleet import ReplicaView
+from torchrl_vllm_ext.engine.fleet import PushFleet, ReplicaView
 from torchrl_vllm_ext.engine.serving import check_pause_mode
 from torchrl_vllm_ext.errors import ConfigurationError, PartialLoadError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.arrival import ArrivalCheck
@@ -56,19 +56,19 @@ logger = logging.getLogger(__name__)
 ROLLOUTS = ("parallel", "rolling")
 
 
-def choose_transport(service, requested: str, shared_dir) -> tuple[str, str]:
+def choose_transport(fleet, requested: str, shared_dir) -> tuple[str, str]:
     """Pick the transport for ``auto``; returns (transport, reason)."""
     if requested not in registry.names():
         raise ConfigurationError(f"transport={requested!r} is not one of {registry.names()}.")
     if requested != "auto":
         return requested, "requested explicitly"
-    if service.uses_gpu:
+    if fleet.uses_gpu:
         # Where the trainer's tensors are is known at the push: planned then (plan.py).
         return "auto", "planned per replica at each push, by GPU UUID"
     if shared_dir is not None:
         return "storage", f"a shared directory was given ({shared_dir})"
     here = ray.util.get_node_ip_address()
-    hosts = {r.node for r in service.pool.ready()}
+    hosts = {r.node for r in fleet.ready()}
     if hosts <= {here}:
         return "storage", f"the trainer and every replica share host {here}"
     return (
@@ -149,16 +149,18 @@ class WeightSyncScheme:
         check_pause_mode(pause_mode)
         self.expected = expected_specs(service.config.model)
         self.names = CheckpointNames(service.config.model, self.expected)
-        self.arrival = ArrivalCheck(service, self.names, verify, verify_tol)
+        self.fleet: PushFleet = service.pool
+        """The replicas, as a push sees them (every replica call goes through it)."""
+        self.arrival = ArrivalCheck(self.fleet, service.config, self.names, verify, verify_tol)
         deadline = deadline or Deadline()
         if timeout is not None:
             deadline = Deadline(fixed_s=timeout, min_bytes_per_s=deadline.min_bytes_per_s)
         self.deadline = deadline
         self.service = service
-        name, self._reason = choose_transport(service, transport, storage_dir)
+        name, self._reason = choose_transport(self.fleet, transport, storage_dir)
         self.transport_impl = registry.make_transport(
             name,
-            service.pool,
+            self.fleet,
             TransportOptions(bucket_bytes=bucket_bytes, deadline=deadline, storage_dir=storage_dir),
         )
         if rollout == "rolling" and not self.transport_impl.loads_one_at_a_time:
@@ -170,7 +172,7 @@ class WeightSyncScheme:
             )
         self.pause_mode = pause_mode
         self.rollout = rollout
-        self._unhook = service.pool.when_serving(_weak_hook(self._check_deferred))
+        self._unhook = self.fleet.when_serving(_weak_hook(self._check_deferred))
         self.version: str | None = None
         self._nbytes = 0
         self.last_report: SyncReport | None = None
@@ -178,7 +180,7 @@ class WeightSyncScheme:
         self.model_id: str | None = None  # TorchRL's sender state (init_on_sender)
         self._context = None
         self._model = None
-        self.torchrl = TorchRLPushes(self.push, lambda: self.service.weight_version)
+        self.torchrl = TorchRLPushes(self.push, lambda: self.fleet.weight_version)
         """Every push from TorchRL's entry points (this scheme's hooks, the updater, the
         engine calls), versioned in one place."""
         self.initialized_on_sender = False
@@ -252,7 +254,7 @@ class WeightSyncScheme:
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         phases = {"validate": time.perf_counter() - start}
-        ready = list(self.service.pool.ready())
+        ready = list(self.fleet.ready())
         reference = arrival.start_reference(source.scorer, tensors, ready)
         try:
             prepared = await transport.prepare(tensors, version, ready)  # 2) transfer
@@ -284,7 +286,7 @@ class WeightSyncScheme:
         self.version = version
         if expected is not None and arrival.deferred is None:
             arrival.verified()
-        self.service.set_weights_provider(self)
+        self.fleet.set_provider(self)
         if loads.errors:
             raise self._load_error(loads, version, loaded=sorted(loads.results))
         pauses = {rid: t["pause_s"] for rid, t in loads.results.items()}
@@ -372,13 +374,13 @@ class WeightSyncScheme:
             )
 
         async def load(group: Replicas) -> tuple[Outcomes, float]:
-            loaded = await self.service.pool.call_each(
+            loaded = await self.fleet.call_each(
                 update, group, "update_weights", deadline=deadline
             )
             for view in group:  # half-written weights: restarted, as a failed value check
                 cause = loaded.errors.get(view.replica_id)
                 if isinstance(cause, PartialLoadError):  # the pool logs it with the restart
-                    self.service.pool.discard(view, cause, "partial load")
+                    self.fleet.discard(view, cause, "partial load")
             verdict = await self.arrival.check(loaded, expected, version)
             return verdict.applied_to(loaded), verdict.seconds
 
@@ -424,7 +426,7 @@ class WeightSyncScheme:
             torch_dtype(s.dtype).itemsize * math.prod(s.shape) for s in self.expected.values()
         )
         async with self._lock:
-            await self.transport_impl.connect(list(self.service.pool.ready()), nbytes)
+            await self.transport_impl.connect(list(self.fleet.ready()), nbytes)
 
     # ------------------------------------------------------------------ TorchRL's contract
     # The sender side of TorchRL's WeightSyncScheme (torchrl.weight_update), under which
@@ -486,7 +488,7 @@ class WeightSyncScheme:
         records its version first, and this replica then loads that version.
         """
         async with self._lock:
-            if self.version is None or self.service.weights_provider is not self:
+            if self.version is None or self.fleet.provider is not self:
                 return
             await asyncio.wait_for(  # a restart whose load hangs is retried by the pool
                 self.transport_impl.bring_up(replica, self.version),
@@ -503,13 +505,13 @@ class WeightSyncScheme:
     def close(self) -> None:
         """Release the transport and stop bringing restarted replicas up to date."""
         self._unhook()
-        if self.service.weights_provider is self:
+        if self.fleet.provider is self:
             logger.info(
                 "closing the weight-sync scheme whose version %s is live: a replica restarted "
                 "from now on serves the checkpoint's weights until the next push",
                 self.version,
             )
-            self.service.set_weights_provider(None)
+            self.fleet.set_provider(None)
         self.transport_impl.close()
 
     def __enter__(self) -> WeightSyncScheme:
