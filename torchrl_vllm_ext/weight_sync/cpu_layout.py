@@ -29,7 +29,8 @@ from torchrl_vllm_ext.extensions import PACKED_WEIGHTS_ENV
 
 logger = logging.getLogger(__name__)
 
-_PLAIN_FLAG = "_tvllm_plain_linear"
+_REPLACED: set = set()
+"""The dispatch functions this module made (a process replaces vLLM's once)."""
 
 
 def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -45,17 +46,16 @@ def keep_checkpoint_layout() -> bool:
         return False
 
     def make_dispatch(original):
-        if getattr(original, _PLAIN_FLAG, False):  # already replaced in this process
+        if original in _REPLACED:  # already replaced in this process
             return original
 
         def dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
             weight = getattr(layer, "weight", None)
             if weight is None or weight.is_meta or weight.ndim != 2:
                 return original(layer, remove_weight)
-            layer.cpu_linear = _plain_linear
-            setattr(layer, _PLAIN_FLAG, True)
+            layer.cpu_linear = _plain_linear  # also what marks it plain
 
-        setattr(dispatch, _PLAIN_FLAG, True)
+        _REPLACED.add(dispatch)
         return dispatch
 
     applied = replace_cpu_gemm_dispatch(make_dispatch)
@@ -78,7 +78,10 @@ def loads_in_place(model: torch.nn.Module) -> bool:
             # A LoRA wrapper: its GEMM is its base layer's (which it shows as its own
             # attributes), checked as a module of its own.
             continue
-        if module_packs_weights(module) and not getattr(module, _PLAIN_FLAG, False):
+        if (
+            module_packs_weights(module)
+            and getattr(module, "cpu_linear", None) is not _plain_linear
+        ):
             return False
         if module_has_experts(module) or module_is_quantized(module):
             return False

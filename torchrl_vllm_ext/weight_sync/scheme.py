@@ -374,9 +374,7 @@ class WeightSyncScheme:
             )
 
         async def load(group: Replicas) -> tuple[Outcomes, float]:
-            loaded = await self.fleet.call_each(
-                update, group, "update_weights", deadline=deadline
-            )
+            loaded = await self.fleet.call_each(update, group, "update_weights", deadline=deadline)
             for view in group:  # half-written weights: restarted, as a failed value check
                 cause = loaded.errors.get(view.replica_id)
                 if isinstance(cause, PartialLoadError):  # the pool logs it with the restart

@@ -18,7 +18,7 @@ class StorageActor:
 
     def _storage_readers(self) -> dict[str, SlotReader]:
         """Storage root -> its reader (keeps the slots mapped)."""
-        return self.__dict__.setdefault("_tvllm_storage_readers", {})
+        return self.__dict__.setdefault("storage_readers", {})
 
     async def stage_storage(self, root: str, version: str) -> str:
         """Read and checksum the published slot ``version`` of ``root``; returns the version.
