@@ -32,11 +32,15 @@ pip_quiet() {
 # uv (from PyPI, into the venv) installs in a fraction of pip's time. uv reads none of
 # pip's configuration, so tools/uv_with_pip_config.py hands it the find-links, indexes
 # and constraints pip would use; unsafe-best-match picks across indexes as pip does (a
-# local +cpu torch wheel beside PyPI's). Any failure returns 1: the caller falls back to pip.
+# local +cpu torch wheel beside PyPI's). --compile-bytecode as pip does: without .pyc files
+# every process (each replica, each engine core) compiles torch's and vLLM's sources again
+# when it imports them, for ever where PYTHONDONTWRITEBYTECODE is set.
+# Any failure returns 1: the caller falls back to pip.
 install_with_uv() {
   [ -x "$VENV/bin/uv" ] || pip_quiet install -q "uv==$UV_VERSION" || return 1
   "$VENV/bin/python" tools/uv_with_pip_config.py "$VENV/bin/uv" pip install -q \
-    --python "$VENV/bin/python" --index-strategy unsafe-best-match -e ".[$1,dev]" || return 1
+    --python "$VENV/bin/python" --index-strategy unsafe-best-match --compile-bytecode \
+    -e ".[$1,dev]" || return 1
 }
 
 setup() {

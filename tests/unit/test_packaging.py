@@ -84,6 +84,7 @@ def test_run_sh_installs_with_uv_and_falls_back_to_pip():
     script = (ROOT / "run.sh").read_text()
     assert "tools/uv_with_pip_config.py" in script
     assert "--index-strategy unsafe-best-match" in script
+    assert "--compile-bytecode" in script  # as pip: no process compiles the sources again
     assert "uv failed; installing with pip" in script
     assert "pip uninstall -q -y torchvision torchaudio torchcodec" in script
 

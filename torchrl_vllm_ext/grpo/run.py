@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from torchrl_vllm_ext.engine.driver.model_info import fill_model_info_cache
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.grpo.config import GRPOConfig
 from torchrl_vllm_ext.grpo.report import mismatch_postfix, plot_run, summarize
@@ -146,6 +147,9 @@ def run_grpo(
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     model_path, tokenizer, model = load_trainer_model(cfg)
+    # A machine that never ran this model class: each replica would inspect it in a fresh
+    # vLLM process; the driver does it once, meanwhile (engine/driver/model_info.py).
+    model_info = None if cfg.ray_address else fill_model_info_cache(model_path, cfg.dtype)
     model.to(device)
     env = TokenCountEnv(
         batch_size=(cfg.rows_per_step,),
@@ -183,6 +187,8 @@ def run_grpo(
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         service, ref_service = launch_services(cfg, model_path, gpu, stack)
+        if model_info is not None:
+            model_info.join()
         if cfg.lora_rank:  # pushes carry the adapter only; the policy samples its newest
             scheme = stack.enter_context(AdapterSync(service, "policy", keep=2))
         else:
