@@ -37,7 +37,8 @@ pip_quiet() {
 # when it imports them, for ever where PYTHONDONTWRITEBYTECODE is set.
 # Any failure returns 1: the caller falls back to pip.
 install_with_uv() {
-  [ -x "$VENV/bin/uv" ] || pip_quiet install -q "uv==$UV_VERSION" || return 1
+  "$VENV/bin/uv" --version 2>/dev/null | grep -qF "uv $UV_VERSION" ||
+    pip_quiet install -q "uv==$UV_VERSION" || return 1
   "$VENV/bin/python" tools/uv_with_pip_config.py "$VENV/bin/uv" pip install -q \
     --python "$VENV/bin/python" --index-strategy unsafe-best-match --compile-bytecode \
     -e ".[$1,dev]" || return 1
