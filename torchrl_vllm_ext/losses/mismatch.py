@@ -67,7 +67,7 @@ def mismatch_metrics(
         mask: ``(..., T)`` bool, the tokens that count (the response, not the padding).
 
     Returns:
-        ``{name: 0-dim float32 tensor}`` for every :data:`METRICS` name:
+        ``{name: 0-dim float64 tensor}`` for every :data:`METRICS` name:
 
         * ``logp_abs_diff_mean`` / ``_max``: mean and max of ``|log p - log q|``;
         * ``kl_k1``: mean of ``log q - log p``, the plain estimate of KL(engine || trainer)
@@ -96,7 +96,9 @@ def mismatch_metrics(
 def log_ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     """:func:`mismatch_metrics` from ``log r = log p - log q`` directly."""
     mask = mask.to(torch.bool)
-    log_ratio = log_ratio.float().clamp(-SAFE_LOG_RATIO, SAFE_LOG_RATIO)
+    # float64: fp32 replicas differ from the trainer by ~1e-7 per token, where float32's
+    # r - 1 - log r is all rounding (and comes out negative).
+    log_ratio = log_ratio.double().clamp(-SAFE_LOG_RATIO, SAFE_LOG_RATIO)
     log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
     ratio = log_ratio.exp()
     rows = mask.reshape(-1, mask.shape[-1]).any(-1)
@@ -108,16 +110,16 @@ def log_ratio_metrics(log_ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, 
         "logp_abs_diff_mean": _masked_mean(log_ratio.abs(), mask),
         "logp_abs_diff_max": _masked_extreme(log_ratio.abs(), mask, largest=True),
         "kl_k1": _masked_mean(-log_ratio, mask),
-        "kl_k3": _masked_mean(ratio - 1 - log_ratio, mask),
-        "chi2_token": _masked_mean(ratio.square(), mask) - 1,
-        "chi2_seq": _masked_mean((2 * seq_log).exp(), rows) - 1,
+        "kl_k3": _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+        "chi2_token": _masked_mean(torch.expm1(2 * log_ratio), mask),
+        "chi2_seq": _masked_mean(torch.expm1(2 * seq_log), rows),
         "is_ratio_min": _masked_extreme(ratio, mask, largest=False),
         "is_ratio_mean": _masked_mean(ratio, mask),
         "is_ratio_max": _masked_extreme(ratio, mask, largest=True),
         "ess": ratio_sum.square() / (count * square_sum)
         if count > 0
         else ratio_sum.new_tensor(float("nan")),
-        "tokens": count.to(torch.float32),
+        "tokens": count.to(torch.float64),
     }
 
 
