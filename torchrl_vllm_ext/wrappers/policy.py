@@ -134,6 +134,13 @@ class VLLMPolicy(TensorDictModuleBase):
 
         return make_sampling_params(self._sampling)
 
+    @property
+    def model(self):
+        """The service, as TorchRL's wrappers' ``.model`` is their engine: TorchRL's
+        collectors hand it out (``get_policy_model``) and its ``vLLMUpdater`` (V1) calls it,
+        which the service refuses naming the supported pushes."""
+        return self.service
+
     # ------------------------------------------------------------------ TorchRL hooks
     # What the output holds, derived from the mode as in TorchRL's wrappers.
     @property

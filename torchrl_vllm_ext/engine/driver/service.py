@@ -377,6 +377,15 @@ class VLLMService:
         for a Ray actor where TorchRL expects one (``vLLMWrapper``)."""
         return ray.put(getattr(self, method)(*args, **kwargs))
 
+    @actor_style
+    def collective_rpc(self, method: str, timeout=None, args: tuple = (), kwargs=None) -> None:
+        """Refused at once (:meth:`TorchRLEngine.collective_rpc
+        <torchrl_vllm_ext.engine.driver.torchrl_engine.TorchRLEngine.collective_rpc>`),
+        ``.remote(...)`` too: TorchRL's ``vLLMUpdater`` (V1) calls it before its NCCL
+        rendezvous, and gets the error naming ``vLLMUpdaterV2(service)`` instead of a
+        300-s timeout."""
+        self._torchrl.collective_rpc(method, timeout, args, kwargs)
+
     @property
     def routing(self) -> tuple[str, ...]:
         """The routing strategies a batch uses unless it names others."""

@@ -30,6 +30,7 @@ import ray
 from torchrl_vllm_ext._compat import vllm_engine_api
 from torchrl_vllm_ext.batches import RequestBatch
 from torchrl_vllm_ext.engine.outputs import to_request_output
+from torchrl_vllm_ext.engine.replica.torchrl_calls import refuse_v1_updater
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
 from torchrl_vllm_ext.extensions import load_class
 
@@ -169,6 +170,26 @@ class TorchRLEngine:
         serves it. A partial iterator is refused (the replicas serve one whole version).
         From a handle, the tensors travel to the owner, which pushes."""
         self._updates().update(weights)
+
+    def collective_rpc(
+        self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None
+    ) -> None:
+        """``AsyncVLLM.collective_rpc`` (and a vLLM Ray actor's), refused at once, before
+        anything reaches a replica.
+
+        TorchRL's ``vLLMUpdater`` (V1) takes the policy's ``.model`` (the service, for
+        ``vLLMWrapper(service)``) for a Ray actor and calls
+        ``collective_rpc.remote("init_weight_update_group", ...)`` just before its trainer
+        blocks in the NCCL rendezvous: raising here is what reaches that trainer in
+        seconds (a replica's refusal would be read only after the rendezvous' 300-s store
+        timeout). Any other worker call goes to a replica's actor (:attr:`actors`).
+        """
+        refuse_v1_updater(method, f"service {self.service.name}")
+        raise ConfigurationError(
+            f"service {self.service.name}: collective_rpc({method!r}) is not offered on the "
+            "service; call it on each replica: ray.get([a.collective_rpc_v1.remote(method, "
+            "timeout, args, kwargs) for a in service.actors])."
+        )
 
     def _updates(self):
         if self.updates is None:

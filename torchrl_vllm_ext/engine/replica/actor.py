@@ -37,7 +37,7 @@ from torchrl_vllm_ext.engine.replica.stderr_tail import (
     redirect_output,
     root_cause,
 )
-from torchrl_vllm_ext.engine.replica.torchrl_calls import TorchRLActorCalls
+from torchrl_vllm_ext.engine.replica.torchrl_calls import TorchRLActorCalls, refuse_v1_updater
 from torchrl_vllm_ext.engine.serving import ServingState, update_steps
 from torchrl_vllm_ext.engine.validation import make_sampling_params, with_seed
 from torchrl_vllm_ext.errors import (
@@ -412,6 +412,7 @@ class VLLMReplica(TorchRLActorCalls):
                 f"collective_rpc takes the name of a worker method, not {method!r}; callables "
                 "are refused (vLLM sends them only when VLLM_ALLOW_INSECURE_SERIALIZATION is on)."
             )
+        refuse_v1_updater(method, f"replica {self.replica_id}")
         return await self._worker_call(method, engine.collective_rpc(method, tuple(args), kwargs))
 
     async def _worker_call(self, method: str, call):

@@ -16,6 +16,32 @@ _NATIVE_TRANSFER = (
     "torchrl_vllm_ext.WeightSyncScheme(service) (a TorchRL WeightSyncScheme)."
 )
 
+V1_UPDATER_METHODS = frozenset({"init_weight_update_group", "update_weight_broadcast"})
+"""The worker methods TorchRL's ``vLLMUpdater`` (V1) calls through ``collective_rpc``
+(``collectors/llm/weight_update/vllm.py``): its NCCL group with vLLM's workers."""
+
+
+def refuse_v1_updater(method: str, where: str) -> None:
+    """Raise :class:`WeightSyncError` naming the supported pushes when ``method`` is one
+    of TorchRL's V1 updater's worker calls; return otherwise.
+
+    Examples:
+        >>> refuse_v1_updater("my_extension_method", "replica 0")
+        >>> refuse_v1_updater("init_weight_update_group", "replica 0")
+        Traceback (most recent call last):
+        ...
+        torchrl_vllm_ext.errors.WeightSyncError: replica 0: collective_rpc('init_weight_update_group') ...
+    """
+    if method in V1_UPDATER_METHODS:
+        raise WeightSyncError(
+            f"{where}: collective_rpc({method!r}) is TorchRL's vLLMUpdater (V1) joining "
+            "vLLM's workers to its NCCL group, which these replicas do not serve: pushes into "
+            "them are verified and versioned. Push with vLLMUpdaterV2(service) (or "
+            "vLLMUpdater(v2=True, vllm_engine=service)), or give the collector "
+            "weight_updater=WeightSyncUpdater(WeightSyncScheme(service)) (both from "
+            "torchrl_vllm_ext)."
+        )
+
 
 class TorchRLActorCalls:
     """TorchRL's actor surface over a replica (``self``: the :class:`~.actor.VLLMReplica`)."""
