@@ -59,12 +59,25 @@ class CorrectedGRPOLoss(GRPOLoss):
         metrics_seconds: wall time the last forward spent on the metrics and weights.
 
     Examples:
-        >>> from torchrl.modules.llm import TransformersWrapper  # doctest: +SKIP
-        >>> loss = CorrectedGRPOLoss(TransformersWrapper(model, tokenizer=tok, input_mode="tokens",
-        ...     generate=False, pad_output=True), rollout_correction="token_truncate")  # doctest: +SKIP
-        >>> out = loss(batch)  # doctest: +SKIP
-        >>> float(out.mismatch["kl_k3"]), float(out.mismatch["clipped_fraction"])  # doctest: +SKIP
-        (0.0021, 0.0)
+        >>> from torchrl.modules.llm import TransformersWrapper
+        >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+        >>> from torchrl_vllm_ext.testing import make_tiny_model
+        >>> path = make_tiny_model()
+        >>> actor = TransformersWrapper(AutoModelForCausalLM.from_pretrained(path).eval(),
+        ...     tokenizer=AutoTokenizer.from_pretrained(path), input_mode="tokens",
+        ...     generate=False, pad_output=True)
+        >>> full = torch.tensor([[5, 6, 7, 8, 9, 10]])  # 4 prompt ids, 2 sampled
+        >>> batch = TensorDict({("tokens", "prompt"): full[:, :4],
+        ...     ("tokens", "response"): full[:, 4:], ("tokens", "full"): full,
+        ...     ("masks", "all_attention_mask"): torch.ones(1, 6, dtype=torch.bool),
+        ...     "advantage": torch.ones(1, 1, 1)}, [1])
+        >>> engine = actor(batch.copy())["log_probs", "full"].detach()  # as if vLLM's
+        >>> _ = batch.set(("log_probs", "full"), engine)
+        >>> loss = CorrectedGRPOLoss(actor, masking_strategy="sft", entropy_bonus=False,
+        ...     rollout_correction="token_truncate", is_clip=2.0)
+        >>> out = loss(batch)
+        >>> float(out.mismatch["tokens"]), float(out.mismatch["kl_k3"]), float(out.mismatch["weight_mean"])
+        (2.0, 0.0, 1.0)
     """
 
     output_type = CorrectedGRPOLossOutput
