@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from torchrl_vllm_ext.engine.driver.model_info import fill_model_info_cache
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.grpo.config import GRPOConfig
 from torchrl_vllm_ext.grpo.report import mismatch_postfix, plot_run, summarize
@@ -93,6 +92,28 @@ def load_trainer_model(cfg: GRPOConfig):
     return path, tokenizer, model
 
 
+@contextlib.contextmanager
+def replicas_without_torch_compile(gpu: bool):
+    """CPU replicas that this process starts (with the local Ray cluster it starts for
+    them) run without torch.compile; the driver's own environment is restored after.
+
+    NOTE: under ``enforce_eager`` vLLM-CPU still compiles one op (the rank of each sampled
+    token's log-prob) with inductor at a replica's first request: 12 s of a cold start on
+    2 cores, 2 s once cached, and the 200 steps sample no slower without it. Ray's
+    processes inherit the environment of the driver that starts the cluster, so a cluster
+    joined with ``--ray-address`` keeps its own setting; so does a user's
+    ``TORCH_COMPILE_DISABLE``.
+    """
+    if gpu or "TORCH_COMPILE_DISABLE" in os.environ:
+        yield
+        return
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        del os.environ["TORCH_COMPILE_DISABLE"]
+
+
 def launch_services(cfg: GRPOConfig, model_path, gpu: bool, stack: contextlib.ExitStack):
     """The policy's service and, with ``cfg.kl_coef > 0``, the reference's (else None).
 
@@ -147,9 +168,6 @@ def run_grpo(
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     model_path, tokenizer, model = load_trainer_model(cfg)
-    # A machine that never ran this model class: each replica would inspect it in a fresh
-    # vLLM process; the driver does it once, meanwhile (engine/driver/model_info.py).
-    model_info = None if cfg.ray_address else fill_model_info_cache(model_path, cfg.dtype)
     model.to(device)
     env = TokenCountEnv(
         batch_size=(cfg.rows_per_step,),
@@ -186,9 +204,8 @@ def run_grpo(
 
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        service, ref_service = launch_services(cfg, model_path, gpu, stack)
-        if model_info is not None:
-            model_info.join()
+        with replicas_without_torch_compile(gpu):
+            service, ref_service = launch_services(cfg, model_path, gpu, stack)
         if cfg.lora_rank:  # pushes carry the adapter only; the policy samples its newest
             scheme = stack.enter_context(AdapterSync(service, "policy", keep=2))
         else:
