@@ -280,6 +280,19 @@ def _token_td(ids) -> TensorDict:
     return TensorDict({("tokens", "prompt"): torch.tensor([ids])}, batch_size=[1])
 
 
+def test_torchrl_v1_updater_calls_are_refused_by_the_service_and_its_replicas(engine):
+    # TorchRL's vLLMUpdater (V1) joins vLLM's workers to its NCCL group through these calls
+    # (tests/unit/test_torchrl_v1_refusal.py drives the updater itself).
+    fix = r"vLLMUpdaterV2\(service\)"
+    args = ("localhost", 29500, 1, 2)
+    with pytest.raises(WeightSyncError, match=f"service .*init_weight_update_group.*{fix}"):
+        engine.collective_rpc.remote("init_weight_update_group", args=args)
+    actor = engine.actors[0]
+    with pytest.raises(WeightSyncError, match=f"replica 0: .*init_weight_update_group.*{fix}"):
+        ray.get(actor.collective_rpc.remote("init_weight_update_group", args), timeout=60)
+    assert ray.get(actor.get_weight_version.remote()) == engine.weight_version  # still serving
+
+
 def test_service_pickles_into_ray_processes_as_a_handle(engine, tokenizer):
     assert engine.is_owner and len(pickle.dumps(engine)) < 20_000
     assert engine.get_master_port() > 0 and len(engine.actors) == engine.num_replicas
