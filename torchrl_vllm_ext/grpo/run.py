@@ -150,50 +150,16 @@ def run_grpo(
 
     ``on_step`` receives each step's metrics as they come (a notebook can plot live).
     """
-    from torchrl.collectors.llm import LLMCollector
-    from tqdm.auto import tqdm
-
-    from torchrl_vllm_ext import (
-        AdapterSync,
-        ReferenceKL,
-        TokenCountEnv,
-        VLLMPolicy,
-        WeightSyncScheme,
-        WeightSyncUpdater,
-    )
+    from torchrl_vllm_ext import AdapterSync, WeightSyncScheme
 
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.output)
     out_dir.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if gpu else "cpu")
     model_path, tokenizer, model = load_trainer_model(cfg)
-    model.to(device)
-    env = TokenCountEnv(
-        batch_size=(cfg.rows_per_step,),
-        prompt_len=cfg.prompt_len,
-        answer_len=cfg.answer_len,
-        low=cfg.low,
-        high=cfg.high,
-        group_size=cfg.group_size,
-        seed=cfg.seed,
-        sample_seeds=True,  # reproducible sampling whatever replica serves a row
-    )
-    restrict_vocabulary(model, env.task_token_ids)
-    if cfg.lora_rank:
-        model = with_lora(model, cfg.lora_rank)
-    trainer = GRPOTrainer(
-        model,
-        tokenizer,
-        group_size=cfg.group_size,
-        lr=cfg.lr,
-        clip_epsilon=cfg.clip_epsilon,
-        entropy_coeff=cfg.entropy_coeff,
-        kl_to_ref_coeff=cfg.kl_coef,
-        rollout_correction=cfg.rollout_correction,
-        is_clip=cfg.is_clip,
-        is_clip_low=cfg.is_clip_low,
-    )
+    model.to(torch.device("cuda" if gpu else "cpu"))
+    model, env = _task(cfg, model)
+    trainer = _trainer(cfg, model, tokenizer)
     recorder = RolloutRecorder(
         out_dir / "rollouts",
         steps=cfg.steps,
@@ -201,7 +167,6 @@ def run_grpo(
         prompt_len=cfg.prompt_len,
         response_len=cfg.answer_len,
     )
-
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
         with replicas_without_torch_compile(gpu):
@@ -218,81 +183,129 @@ def run_grpo(
             f" (+ {cfg.ref_replicas} reference)" if ref_service is not None else "",
             scheme.transport,
         )
-        reference = None
-        if ref_service is not None:
-            # Scores every rollout with the initial weights (never pushed to): GRPOLoss
-            # reads ("next", "ref_log_probs", "full") and runs no reference forward.
-            reference = ReferenceKL(
-                VLLMPolicy(
-                    ref_service,
-                    input_mode="tokens",
-                    generate=False,
-                    log_probs_key="ref_log_probs",
-                    pad_output=True,
-                    tokenizer=tokenizer,
-                )
-            )
-            env = env.append_transform(reference)
-        # Padded: TorchRL's collector clones every batch twice, and a padded batch is a
-        # few dense tensors where a ragged one is a TensorDict per sample (the collector
-        # took 2.8x the engine's time ragged, 1.0x padded: benchmarks/bench_collect.py).
-        policy = VLLMPolicy(
-            service,
-            input_mode="tokens",
-            pad_output=True,
-            tokenizer=tokenizer,
-            lora=scheme if cfg.lora_rank else None,
-            sampling_params={
-                "max_tokens": cfg.answer_len,
-                "temperature": cfg.temperature,
-                "allowed_token_ids": env.task_token_ids,
-            },
+        loop = _Loop(cfg, trainer, recorder, model, scheme)
+        loop.collector, loop.updater, loop.reference = _collector(
+            cfg, env, service, ref_service, scheme, tokenizer
         )
-        updater = WeightSyncUpdater(scheme)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # TorchRL's legacy updater path
-            # A one-step env needs no InitTracker, whatever TorchRL 0.14 guesses for any
-            # nn.Module policy (LLMCollector does not take auto_register_policy_transforms).
-            warnings.filterwarnings("ignore", "The env passed to LLMCollector is missing")
-            collector = LLMCollector(
-                env,
-                policy=policy,
-                dialog_turns_per_batch=cfg.rows_per_step,
-                weight_updater=updater,
-                track_policy_version=True,
+        steps = loop.run(progress, on_step)
+    if not steps:
+        raise ConfigurationError("no GRPO step ran; pass --steps >= 1.")
+    return _written(cfg, steps, startup_s, scheme.transport, out_dir)
+
+
+def _task(cfg: GRPOConfig, model):
+    """The task's env, and the trainer model restricted to its alphabet (LoRA-wrapped when
+    ``cfg.lora_rank``)."""
+    from torchrl_vllm_ext import TokenCountEnv
+
+    env = TokenCountEnv(
+        batch_size=(cfg.rows_per_step,),
+        prompt_len=cfg.prompt_len,
+        answer_len=cfg.answer_len,
+        low=cfg.low,
+        high=cfg.high,
+        group_size=cfg.group_size,
+        seed=cfg.seed,
+        sample_seeds=True,  # reproducible sampling whatever replica serves a row
+    )
+    restrict_vocabulary(model, env.task_token_ids)
+    if cfg.lora_rank:
+        model = with_lora(model, cfg.lora_rank)
+    return model, env
+
+
+def _trainer(cfg: GRPOConfig, model, tokenizer) -> GRPOTrainer:
+    return GRPOTrainer(
+        model,
+        tokenizer,
+        group_size=cfg.group_size,
+        lr=cfg.lr,
+        clip_epsilon=cfg.clip_epsilon,
+        entropy_coeff=cfg.entropy_coeff,
+        kl_to_ref_coeff=cfg.kl_coef,
+        rollout_correction=cfg.rollout_correction,
+        is_clip=cfg.is_clip,
+        is_clip_low=cfg.is_clip_low,
+    )
+
+
+def _collector(cfg: GRPOConfig, env, service, ref_service, scheme, tokenizer):
+    """TorchRL's ``LLMCollector`` over the policy, its weight updater, and the reference
+    transform (None without a reference service)."""
+    from torchrl.collectors.llm import LLMCollector
+
+    from torchrl_vllm_ext import ReferenceKL, VLLMPolicy, WeightSyncUpdater
+
+    reference = None
+    if ref_service is not None:
+        # Scores every rollout with the initial weights (never pushed to): GRPOLoss
+        # reads ("next", "ref_log_probs", "full") and runs no reference forward.
+        reference = ReferenceKL(
+            VLLMPolicy(
+                ref_service,
+                input_mode="tokens",
+                generate=False,
+                log_probs_key="ref_log_probs",
+                pad_output=True,
+                tokenizer=tokenizer,
             )
+        )
+        env = env.append_transform(reference)
+    # Padded: TorchRL's collector clones every batch twice, and a padded batch is a few
+    # dense tensors where a ragged one is a TensorDict per sample
+    # (benchmarks/bench_collect.py).
+    policy = VLLMPolicy(
+        service,
+        input_mode="tokens",
+        pad_output=True,
+        tokenizer=tokenizer,
+        lora=scheme if cfg.lora_rank else None,
+        sampling_params={
+            "max_tokens": cfg.answer_len,
+            "temperature": cfg.temperature,
+            "allowed_token_ids": env.task_token_ids,
+        },
+    )
+    updater = WeightSyncUpdater(scheme)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchRL's legacy updater path
+        # A one-step env needs no InitTracker, whatever TorchRL 0.14 guesses for any
+        # nn.Module policy (LLMCollector does not take auto_register_policy_transforms).
+        warnings.filterwarnings("ignore", "The env passed to LLMCollector is missing")
+        collector = LLMCollector(
+            env,
+            policy=policy,
+            dialog_turns_per_batch=cfg.rows_per_step,
+            weight_updater=updater,
+            track_policy_version=True,
+        )
+    return collector, updater, reference
+
+
+class _Loop:
+    """The training loop: collect -> score and train -> record -> push, one step at a time."""
+
+    def __init__(self, cfg: GRPOConfig, trainer, recorder, model, scheme):
+        self.cfg, self.trainer, self.recorder = cfg, trainer, recorder
+        self.model, self.scheme = model, scheme
+        self.collector = self.updater = self.reference = None
+
+    def run(self, progress: bool, on_step) -> list[dict]:
+        from tqdm.auto import tqdm
+
         steps: list[dict] = []
-        batches = iter(collector)
-        bar = tqdm(range(cfg.steps), desc="GRPO", disable=not progress, unit="step")
+        batches = iter(self.collector)
+        bar = tqdm(range(self.cfg.steps), desc="GRPO", disable=not progress, unit="step")
         train_start = time.perf_counter()
         try:
             for step in bar:
-                t0 = time.perf_counter()
-                batch = next(batches)
-                generate_s = time.perf_counter() - t0
-                metrics = trainer.step(batch)
-                recorder.record(step, batch)
-                t1 = time.perf_counter()
-                collector.update_policy_weights_(model)
-                sync_s = time.perf_counter() - t1
-                report = updater.last_report
-                tokens = cfg.rows_per_step * cfg.answer_len
-                if reference is not None:
-                    metrics["ref_s"] = reference.seconds
-                metrics.update(
-                    step=step,
-                    generate_s=generate_s,
-                    sync_s=sync_s,
-                    sync_pause_s=max(report.pause_s.values(), default=0.0),
-                    tokens_per_s=tokens / generate_s,
-                    weight_version=int(scheme.version),
-                    elapsed_s=time.perf_counter() - train_start,
-                )
+                metrics = self.step(step, batches)
+                metrics["elapsed_s"] = time.perf_counter() - train_start
                 steps.append(metrics)
                 bar.set_postfix(
                     reward=f"{metrics['reward']:.2f}",
                     tok_s=f"{metrics['tokens_per_s']:.0f}",
-                    sync_s=f"{sync_s:.2f}",
+                    sync_s=f"{metrics['sync_s']:.2f}",
                     **({"kl_ref": f"{metrics['kl_to_ref']:.3f}"} if "kl_to_ref" in metrics else {}),
                     **mismatch_postfix(metrics),
                 )
@@ -300,11 +313,36 @@ def run_grpo(
                     on_step(metrics)
         finally:
             bar.close()
-            collector.shutdown()
-    if not steps:
-        raise ConfigurationError("no GRPO step ran; pass --steps >= 1.")
+            self.collector.shutdown()
+        return steps
+
+    def step(self, step: int, batches) -> dict:
+        t0 = time.perf_counter()
+        batch = next(batches)
+        generate_s = time.perf_counter() - t0
+        metrics = self.trainer.step(batch)
+        self.recorder.record(step, batch)
+        t1 = time.perf_counter()
+        self.collector.update_policy_weights_(self.model)
+        sync_s = time.perf_counter() - t1
+        report = self.updater.last_report
+        if self.reference is not None:
+            metrics["ref_s"] = self.reference.seconds
+        metrics.update(
+            step=step,
+            generate_s=generate_s,
+            sync_s=sync_s,
+            sync_pause_s=max(report.pause_s.values(), default=0.0),
+            tokens_per_s=self.cfg.rows_per_step * self.cfg.answer_len / generate_s,
+            weight_version=int(self.scheme.version),
+        )
+        return metrics
+
+
+def _written(cfg: GRPOConfig, steps: list[dict], startup_s: float, transport, out_dir) -> dict:
+    """The run's summary, its plot and ``metrics.json``, written; the result."""
     summary = summarize(steps, target=cfg.target_fraction, random_reward=1.0 / (cfg.high - cfg.low))
-    summary.update(startup_s=startup_s, transport=scheme.transport, replicas=cfg.replicas)
+    summary.update(startup_s=startup_s, transport=transport, replicas=cfg.replicas)
     result = {
         "config": cfg.to_json(),
         "summary": summary,
