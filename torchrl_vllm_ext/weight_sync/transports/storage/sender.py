@@ -7,7 +7,7 @@ copies the slot to its staging buffer (reserved at the first sync and kept: on t
 or in pinned host memory when the GPU lacks room or the replica has sleep mode, or not at
 all when a pinned copy per worker would not fit the host: :mod:`...staging`) in a
 background thread. In the pause the workers only copy in, by
-their load plan's replay (:mod:`...planned_load`): from the slot on CPUs
+their load plan's replay (:mod:`torchrl_vllm_ext.weight_sync.loading.planned`): from the slot on CPUs
 (``apply_weights_from_storage(root, version)``), from the staging buffer on GPUs
 (``apply_staged_weights``).
 A restarted replica loads the published slot, so a push that no replica loaded
