@@ -38,6 +38,7 @@ from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._files import fsync_path
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.sources import adapter_source
+from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +190,8 @@ class AdapterSync:
         self._retiring = None  # the last push's retirement (a future on the service loop)
         self._written: set[str] = set()  # versions whose directory this sync wrote
         self.version: str | None = None
+        self.torchrl = TorchRLPushes(self.push, lambda: self.service.weight_version)
+        """Pushes from TorchRL's collectors (``WeightSyncUpdater``), versioned in one place."""
 
     @property
     def current(self) -> str | None:

@@ -28,15 +28,16 @@ class KvSizeLog:
 
     Examples:
         >>> log = KvSizeLog()
-        >>> log.size() is None and log.over
+        >>> log.size() is None and not log.over
         True
     """
 
     def __init__(self):
         self.path: Path | None = None
         """The file the workers' KV-size lines go to (None: not routed)."""
-        self.over = True
-        """Whether the engine's start is over (a watcher stops polling then)."""
+        self.over = False
+        """Whether the engine's start is over (a watcher stops polling then). False from the
+        start: the watcher may ask before the start has begun."""
 
     @contextlib.contextmanager
     def routed(self, tmp: Path, report: bool) -> Iterator[None]:
