@@ -41,17 +41,28 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def checksum(t: torch.Tensor) -> int:
     """Sum of the tensor's bytes as little-endian uint64 words (tail bytes zero-padded), plus
-    its byte count, mod 2**64, computed where ``t`` lives (:func:`device_checksums` of one).
+    its byte count, mod 2**64: :func:`device_checksums` of one tensor. A host tensor is summed
+    by numpy in the calling thread (torch's would wake an OpenMP team, which then spins beside
+    the engine in a replica's process: the storage slot's checksum runs there).
 
     Fast (memory bandwidth) and order-sensitive enough to catch torn or stale
     data; it is an integrity check, not a cryptographic one.
 
     Examples:
-        >>> checksum(torch.arange(11, dtype=torch.uint8)) == device_checksums(
-        ...     [torch.arange(11, dtype=torch.uint8)])[0]
+        >>> t = torch.arange(11, dtype=torch.uint8)
+        >>> checksum(t) == device_checksums([t])[0]
         True
     """
-    return device_checksums([t])[0]
+    if t.device.type != "cpu":
+        return device_checksums([t])[0]
+    raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    words = raw[: raw.size - raw.size % 8].view(np.uint64)
+    total = int(words.sum(dtype=np.uint64))
+    if raw.size % 8:
+        tail = np.zeros(8, dtype=np.uint8)
+        tail[: raw.size % 8] = raw[raw.size - raw.size % 8 :]
+        total += int(tail.view(np.uint64)[0])
+    return (total + raw.size) % (1 << 64)
 
 
 def device_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
