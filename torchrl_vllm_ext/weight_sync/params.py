@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
