@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -88,27 +87,17 @@ def test_checksum_sees_any_change():
     assert checksum(t2) != c and checksum(t.clone()) == c
 
 
-def _numpy_checksum(t: torch.Tensor) -> int:
-    """The checksum's definition, in numpy: uint64 words (tail zero-padded) + byte count."""
-    raw = t.detach().contiguous().view(-1).view(torch.uint8).numpy()
-    words = raw[: raw.size - raw.size % 8].view(np.uint64)
-    total = int(words.sum(dtype=np.uint64))
-    if raw.size % 8:
-        tail = np.zeros(8, dtype=np.uint8)
-        tail[: raw.size % 8] = raw[raw.size - raw.size % 8 :]
-        total += int(tail.view(np.uint64)[0])
-    return (total + raw.size) % (1 << 64)
-
-
 @pytest.mark.parametrize("nbytes", [0, 1, 7, 8, 9, 4096 + 5])
 def test_the_checksum_follows_its_definition_and_wraps(nbytes):
-    """Buckets are summed where they live; the value must be the definition's (the storage
-    slots', the trainer's), including sums that wrap past 2**64."""
+    """Buckets are summed where they live (torch), host tensors by numpy: both give the
+    definition's value (the storage slots', the trainer's), sums that wrap past 2**64 too."""
     from torchrl_vllm_ext.weight_sync.params import checksum, device_checksums
 
     g = torch.Generator().manual_seed(nbytes)
     t = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
     full = torch.full((1024,), 255, dtype=torch.uint8)  # every word 2**64 - 1: wraps
     bf16 = torch.randn(3, 5, generator=g).to(torch.bfloat16)
-    assert device_checksums([t, full, bf16]) == [_numpy_checksum(x) for x in (t, full, bf16)]
-    assert checksum(t) == _numpy_checksum(t)
+    assert device_checksums([t, full, bf16]) == [checksum(x) for x in (t, full, bf16)]
+    # The definition: uint64 words, the tail zero-padded, plus the byte count, mod 2**64.
+    assert checksum(full) == (128 * (2**64 - 1) + 1024) % 2**64
+    assert checksum(torch.tensor([1, 0, 0, 0, 0, 0, 0, 0, 2], dtype=torch.uint8)) == 1 + 2 + 9
