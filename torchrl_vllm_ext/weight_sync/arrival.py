@@ -45,8 +45,6 @@ class Verdict:
     served weights nobody pushed are discarded (restarted) by the check already."""
     dead: dict[int, Exception] = field(default_factory=dict)
     """Replicas that died or left the pool between their load and the probe."""
-    deferred: set[int] = field(default_factory=set)
-    """Replicas that could not run the probe now (paused, or asleep): checked later."""
     seconds: float = 0.0
     """How long the probes took."""
 
@@ -168,7 +166,6 @@ class ArrivalCheck:
         if expected is None or not loaded.results:
             return verdict
         later = {rid for rid, r in loaded.results.items() if not r.get("probe_now", True)}
-        verdict.deferred = later
         if later:
             # One push's groups (rolling: one replica each) add to the same check.
             same = self.deferred is not None and self.deferred.version == version
@@ -181,11 +178,12 @@ class ArrivalCheck:
                 sorted(later),
             )
         t0 = time.perf_counter()
-        pool = self.fleet
         views = [
-            v for v in pool.ready() if v.replica_id in loaded.results and v.replica_id not in later
+            v
+            for v in self.fleet.ready()
+            if v.replica_id in loaded.results and v.replica_id not in later
         ]
-        probes = await pool.call_all("probe_logprobs", self._probe, replicas=views)
+        probes = await self.fleet.call_all("probe_logprobs", self._probe, replicas=views)
         verdict.dead.update(probes.dead)
         verdict.failed.update(probes.errors)
         for rid in loaded.results:
@@ -206,7 +204,7 @@ class ArrivalCheck:
             error = result.error(version)
             logger.error("%s", error)
             verdict.failed[rid] = error
-            pool.discard(next(v for v in views if v.replica_id == rid), error, "verification")
+            self.fleet.discard(next(v for v in views if v.replica_id == rid), error, "verification")
         verdict.seconds = time.perf_counter() - t0
         return verdict
 
