@@ -61,6 +61,18 @@ class WeightSyncError(TorchRLVLLMError):
     """A weight update failed; the replicas keep serving the previous version."""
 
 
+class ShardedPushError(WeightSyncError):
+    """A push from a sharded trainer failed on one or more of its ranks (``ranks``); every
+    rank raises the same error and the replicas keep serving their previous version."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+    def __reduce__(self):  # crosses processes with its ranks
+        return (type(self), (str(self), self.ranks))
+
+
 class PartialLoadError(WeightSyncError):
     """A replica's load failed after it had begun writing its weights: it serves none
     until it is restarted (at the version the service serves)."""

@@ -135,11 +135,20 @@ class ArrivalCheck:
             logger.info("version %s: its deferred value check is superseded", self.deferred.version)
             self.deferred = None
 
+    @property
+    def probe(self) -> list[int]:
+        """The probe sequence every checked push scores."""
+        return list(self._probe)
+
+    def due(self) -> bool:
+        """Whether the next push is checked by value."""
+        return not (self.mode == "never" or (self.mode == "first" and self.verified_pushes))
+
     def start_reference(self, weights, tensors, replicas: Replicas) -> asyncio.Future | None:
         """The trainer's :class:`Reference` for the probe and the seconds it took,
         computed in a thread while the bytes move (``weights``: the module that may score
         them itself, else None); None when this push is not checked."""
-        if self.mode == "never" or (self.mode == "first" and self.verified_pushes):
+        if not self.due():
             return None
         dtype = self.served_dtype_name(replicas)
 

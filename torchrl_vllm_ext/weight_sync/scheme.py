@@ -252,12 +252,45 @@ class WeightSyncScheme:
 
         tensors = await asyncio.to_thread(validated)  # 1) validate
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         phases = {"validate": time.perf_counter() - start}
         ready = list(self.fleet.ready())
         reference = arrival.start_reference(source.scorer, tensors, ready)
+
+        def prepare():
+            return transport.prepare(tensors, version, ready)
+
+        return await self._deliver(version, nbytes, ready, prepare, reference, phases, start)
+
+    async def apush_prepared(
+        self, version: str | int, nbytes: int, prepare, expected: Reference | None
+    ) -> SyncReport:
+        """A push whose bytes were made ready elsewhere (a sharded trainer's ranks,
+        :mod:`.sharded`): ``prepare(ready)`` is the transfer step (-> ``Prepared``),
+        ``expected`` the value check's reference computed by the ranks (None: unchecked);
+        then the same pause, check, commit and report as :meth:`apush`."""
+        async with self._lock:
+            self.arrival.supersede()
+            start = time.perf_counter()
+            ready = list(self.fleet.ready())
+            reference = None
+            if expected is not None:
+                reference = asyncio.get_running_loop().create_future()
+                reference.set_result((expected, 0.0))
+            report = await self._deliver(
+                str(version), nbytes, ready, lambda: prepare(ready), reference, {}, start
+            )
+        self.last_report = report
+        return report
+
+    async def _deliver(
+        self, version: str, nbytes: int, ready: Replicas, prepare, reference, phases, start
+    ) -> SyncReport:
+        """2) to 5) of a push (see the module docstring)."""
+        transport = self.transport_impl
+        arrival = self.arrival
+        self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         try:
-            prepared = await transport.prepare(tensors, version, ready)  # 2) transfer
+            prepared = await prepare()  # 2) transfer
         except BaseException:
             if reference is not None:
                 await asyncio.gather(reference, return_exceptions=True)

@@ -148,6 +148,20 @@ def reference(model: nn.Module, ids: list[int], dtype: str) -> Reference:
     return Reference(exact, mean_gap(exact, rounded), str(served).removeprefix("torch."))
 
 
+def collective_reference(model: nn.Module, ids: list[int], dtype: str) -> Reference:
+    """:func:`reference` of a sharded model (FSDP2 / DTensor parameters), run by every rank
+    at once: its forward is collective, and no rank holds the whole model. The served
+    dtype's rounding is scored under autocast (casting sharded parameters for a functional
+    call would gather each one whole outside the model's own schedule)."""
+    exact = model_logprobs(model, ids)
+    served = served_dtype(dtype)
+    if served == torch.float32:
+        return Reference(exact, 0.0, "float32")
+    with torch.autocast(next(model.parameters()).device.type, dtype=served):
+        rounded = model_logprobs(model, ids)
+    return Reference(exact, mean_gap(exact, rounded), str(served).removeprefix("torch."))
+
+
 def plain_causal_lm(weights) -> bool:
     """Whether the pushed object's own forward computes what the engine serves: a module
     with no forward hook anywhere (a hook that masks logits, as the demo's

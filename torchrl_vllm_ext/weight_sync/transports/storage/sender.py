@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import torch
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.extensions import ActorMethods, WorkerMethods
-from torchrl_vllm_ext.weight_sync.params import require_all_finite, require_finite
+from torchrl_vllm_ext.weight_sync.params import require_all_finite, require_finite, torch_dtype
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
@@ -90,8 +91,25 @@ class StorageTransport(Transport):
         t0 = time.perf_counter()
         self._previous = self.writer.published()
         await asyncio.to_thread(self._write, tensors, version)  # 1)
-        t1 = time.perf_counter()
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return await self._stage(version, replicas, nbytes, {"write": time.perf_counter() - t0})
+
+    async def prepare_written(self, manifest: SlotManifest, replicas: Replicas) -> Prepared:
+        """``prepare`` of a slot other processes filled (a sharded trainer's ranks, in the
+        slot :meth:`SlotWriter.idle` gave them, checksummed into ``manifest``): publish
+        it, then the same steps."""
+        t0 = time.perf_counter()
+        self._previous = self.writer.published()
+        await asyncio.to_thread(self.writer.publish, manifest)  # 1)
+        nbytes = sum(torch_dtype(s.dtype).itemsize * math.prod(s.shape) for s in manifest.tensors)
+        phases = {"publish": time.perf_counter() - t0}
+        return await self._stage(manifest.version, replicas, nbytes, phases)
+
+    async def _stage(
+        self, version: str, replicas: Replicas, nbytes: int, phases: dict[str, float]
+    ) -> Prepared:
+        """2) and 3) of a published slot."""
+        t1 = time.perf_counter()
         staged = await self.fleet.call_all(  # 2)
             "extension_call",
             ActorMethods.STAGE_STORAGE,
@@ -105,7 +123,7 @@ class StorageTransport(Transport):
             await self.rollback(version)
             raise
         replicas = [r for r in replicas if r.replica_id in staged.results]
-        phases = {"write": t1 - t0, "stage": time.perf_counter() - t1}
+        phases["stage"] = time.perf_counter() - t1
         if not self.fleet.uses_gpu:
             call = WorkerCall(WorkerMethods.APPLY_STORAGE, (self.root, version))
             return Prepared(calls_for(replicas, call), phases=phases)

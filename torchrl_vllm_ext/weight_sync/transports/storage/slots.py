@@ -37,9 +37,20 @@ WEIGHTS_PREFIX = "torchrl-vllm-weights-"
 """Name prefix of a writer's private root (its own directory in /dev/shm)."""
 
 
-def _key(name: str) -> str:
-    # TensorDict keys may not contain the nested-key separator used for flattening.
+def slot_key(name: str) -> str:
+    """A tensor's key in a slot (TensorDict keys may not contain the nested-key
+    separator used for flattening)."""
     return name.replace(".", "__")
+
+
+def layout_of(tensors: dict[str, torch.Tensor]) -> tuple:
+    """The slots' layout of ``tensors``: (name, shape, dtype) of each, in order."""
+    return tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items())
+
+
+def open_slot(path: str | Path, mode: str = "r+") -> TensorDict:
+    """A slot's tensors, mapped (``r+``: a writer in another process fills its part)."""
+    return TensorDict.load_memmap(path, mode=mode)
 
 
 # A module global, so the writer-kill tests can cut a publish at this step.
@@ -104,8 +115,9 @@ class SlotWriter:
         except FileNotFoundError:
             return None
 
-    def _slot(self, name: str, tensors: dict[str, torch.Tensor]) -> TensorDict:
-        layout = tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items())
+    def _slot(self, name: str, layout: tuple) -> TensorDict:
+        """Slot ``name`` mapped, allocated for ``layout`` ((name, shape, dtype) per tensor)
+        straight in the file: no copy of the weights in this process."""
         if self._layout is not None and layout != self._layout:
             raise WeightSyncError(
                 "the pushed parameters changed names, shapes or dtypes since the slots were "
@@ -115,15 +127,21 @@ class SlotWriter:
         if name not in self._slots:
             path = self.root / f"slot-{name}"
             if (path / "meta.json").exists():
-                td = TensorDict.load_memmap(path, mode="r+")
+                td = open_slot(path)
             else:
-                td = TensorDict(
-                    {_key(k): torch.empty_like(t, device="cpu") for k, t in tensors.items()}, []
-                )
-                td = td.memmap_(prefix=path, num_threads=self.num_threads)
+                shapes = {slot_key(k): torch.empty(s, dtype=d, device="meta") for k, s, d in layout}
+                td = TensorDict(shapes, []).memmap_like(prefix=path, num_threads=self.num_threads)
                 _private(path)
             self._slots[name] = td
         return self._slots[name]
+
+    def idle(self, layout: tuple) -> tuple[str, Path]:
+        """The slot the next publish may fill (not the published one), allocated for
+        ``layout``, and its directory: for writers in other processes (a sharded trainer's
+        ranks, :func:`open_slot`)."""
+        name = "B" if self._published_slot() == "A" else "A"
+        self._slot(name, layout)
+        return name, self.root / f"slot-{name}"
 
     def write(self, tensors: dict[str, torch.Tensor], version: str, check=None) -> SlotManifest:
         """Fill the idle slot with ``tensors`` and publish it as ``version``.
@@ -132,14 +150,14 @@ class SlotWriter:
         it is in cache) and may raise: then nothing is published.
         """
         idle = "B" if self._published_slot() == "A" else "A"
-        slot = self._slot(idle, tensors)
+        slot = self._slot(idle, layout_of(tensors))
 
         # 1) fill the idle slot in place (readers only read the published one) and
         # 2) checksum what is now in the slot, tensor by tensor, in one pass.
         def put(name: str) -> int:
             if check is not None:
                 check(name, tensors[name])
-            dst = slot.get(_key(name))
+            dst = slot.get(slot_key(name))
             dst.copy_(tensors[name])
             return checksum(dst)
 
@@ -223,11 +241,11 @@ class SlotReader:
                     f"slot {manifest.slot} of {self.root} is missing; the manifest points to nothing. "
                     "Push the weights again (the writer recreates its slots)."
                 )
-            td = TensorDict.load_memmap(path, mode="r")
+            td = open_slot(path, mode="r")
             self._maps[manifest.slot] = td
         tensors = {}
         for spec in manifest.tensors:
-            t = td.get(_key(spec.name), None)
+            t = td.get(slot_key(spec.name), None)
             if t is None or tuple(t.shape) != spec.shape or dtype_name(t.dtype) != spec.dtype:
                 raise WeightSyncError(
                     f"slot {manifest.slot} (version {manifest.version}) has no tensor {spec.name!r} "

@@ -1,0 +1,145 @@
+"""The ranks of a sharded push meeting at each step, through a key-value store of their own.
+
+Why not the trainer's process group: a collective on it waits forever (or for the group's
+timeout, 30 minutes by default) for a rank that died, and says nothing of which; and the
+push's small messages must never interleave with the trainer's own collectives (FSDP2's
+all-gathers, a broadcast to the replicas). So rank 0 serves a ``TCPStore`` and every rank
+posts under ``<push>/<step>/<rank>``; a wait polls until every rank posted or the step's
+deadline passes, then names the ranks that did not. A rank that failed posts its error
+instead of its value, and every rank raises the same :class:`ShardedPushError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from torchrl_vllm_ext.errors import ShardedPushError
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.005
+"""Seconds between two looks at the store while waiting."""
+_FAILED = "__failed__"
+
+
+class Rendezvous:
+    """Rank 0 of ``group`` serves the store; every rank joins it (a collective call).
+
+    Args:
+        group: the trainer's process group (the push's ranks, in its rank order).
+        host: where rank 0's store listens: ``MASTER_ADDR`` when set (torchrun's, which
+            every rank reaches), else the loopback (one host).
+    """
+
+    def __init__(self, group=None, host: str | None = None):
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        host = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        address = [None]
+        if self.rank == 0:
+            self.store = dist.TCPStore(
+                host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
+            )
+            address = [(host, self.store.port)]
+        leader = dist.get_global_rank(group or dist.group.WORLD, 0)
+        dist.broadcast_object_list(address, src=leader, group=group)
+        if self.rank != 0:
+            host, port = address[0]
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        self.push = 0
+        """The push the ranks are at (every rank counts its own calls)."""
+        self._posted: list[str] = []
+
+    def next_push(self) -> None:
+        """A new push: its keys, the previous push's of this rank dropped."""
+        for step in self._posted:
+            self._delete(step)
+        self.push += 1
+        self._posted = []
+
+    def _key(self, step: str, rank: int) -> str:
+        return f"{self.push}/{step}/{rank}"
+
+    def _delete(self, key: str) -> None:
+        try:
+            self.store.delete_key(key)
+        except Exception:  # the store is gone with rank 0: nothing to clean
+            pass
+
+    def post(self, step: str, value) -> None:
+        """Post this rank's ``value`` (JSON) for ``step``."""
+        self._set(step, json.dumps(value))
+
+    def fail(self, step: str, error: BaseException) -> None:
+        """Post this rank's error for ``step`` (every rank then raises it)."""
+        self._set(step, json.dumps({_FAILED: f"{type(error).__name__}: {error}"}))
+
+    def _set(self, step: str, text: str) -> None:
+        key = self._key(step, self.rank)
+        try:
+            self.store.set(key, text)
+        except Exception as e:
+            raise self._leader_gone(step, e) from e
+        self._posted.append(key)
+
+    def gather(self, step: str, deadline_s: float, ranks=None) -> list:
+        """Every rank's value for ``step`` (in rank order), once all posted; a
+        :class:`ShardedPushError` naming the ranks that posted an error, or that had not
+        posted within ``deadline_s``."""
+        ranks = list(range(self.world)) if ranks is None else list(ranks)
+        keys = [self._key(step, r) for r in ranks]
+        end = time.monotonic() + deadline_s
+        while True:
+            try:
+                if self.store.check(keys):
+                    break
+                posted = [r for r, k in zip(ranks, keys, strict=True) if self.store.check([k])]
+            except Exception as e:
+                raise self._leader_gone(step, e) from e
+            if time.monotonic() >= end:
+                missing = tuple(r for r in ranks if r not in posted)
+                raise ShardedPushError(
+                    f"sharded push {self.push}: rank(s) {list(missing)} did not reach step "
+                    f"{step!r} within {deadline_s:.1f}s (dead, stuck, or not calling the push "
+                    "at the same point of the loop); nothing was published, the replicas keep "
+                    "their previous weights. Restart the trainer's ranks, or raise the deadline.",
+                    missing,
+                )
+            time.sleep(POLL_S)
+        values = [json.loads(self.store.get(k)) for k in keys]
+        failed = [(r, v[_FAILED]) for r, v in zip(ranks, values, strict=True) if _is_failure(v)]
+        if failed:
+            raise ShardedPushError(
+                "; ".join(f"rank {r}: {message}" for r, message in failed),
+                tuple(r for r, _ in failed),
+            )
+        return values
+
+    def one(self, step: str, rank: int, deadline_s: float):
+        """``rank``'s value for ``step`` (its error raised as every rank's)."""
+        return self.gather(step, deadline_s, ranks=[rank])[0]
+
+    def _leader_gone(self, step: str, error: BaseException) -> ShardedPushError:
+        return ShardedPushError(
+            f"sharded push {self.push}: rank 0 (which talks to the service) is gone at step "
+            f"{step!r} ({type(error).__name__}: {error}); the replicas keep the last version "
+            "rank 0 published. Restart the trainer's ranks.",
+            (0,),
+        )
+
+    def close(self) -> None:
+        for key in self._posted:
+            self._delete(key)
+        self._posted = []
+        self.store = None
+
+
+def _is_failure(value) -> bool:
+    return isinstance(value, dict) and _FAILED in value
