@@ -262,11 +262,17 @@ class WeightSyncScheme:
         return await self._deliver(version, nbytes, ready, prepare, reference, phases, start)
 
     async def apush_prepared(
-        self, version: str | int, nbytes: int, prepare, expected: Reference | None
+        self,
+        version: str | int,
+        nbytes: int,
+        prepare,
+        expected: Reference | None,
+        reference_s: float = 0.0,
     ) -> SyncReport:
         """A push whose bytes were made ready elsewhere (a sharded trainer's ranks,
         :mod:`.sharded`): ``prepare(ready)`` is the transfer step (-> ``Prepared``),
-        ``expected`` the value check's reference computed by the ranks (None: unchecked);
+        ``expected`` the value check's reference the ranks computed in ``reference_s``
+        seconds (None: unchecked);
         then the same pause, check, commit and report as :meth:`apush`."""
         async with self._lock:
             self.arrival.supersede()
@@ -275,7 +281,7 @@ class WeightSyncScheme:
             reference = None
             if expected is not None:
                 reference = asyncio.get_running_loop().create_future()
-                reference.set_result((expected, 0.0))
+                reference.set_result((expected, reference_s))
             report = await self._deliver(
                 str(version), nbytes, ready, lambda: prepare(ready), reference, {}, start
             )

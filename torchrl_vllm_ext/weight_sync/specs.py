@@ -53,6 +53,9 @@ class UpdateHeader:
     """Weight version the update installs."""
     buckets: tuple[BucketSpec, ...]
     """Bucket layout, in broadcast order."""
+    checksums_follow: bool = False
+    """The buckets' checksums are not known when the header is sent (a sharded trainer
+    gathers bucket by bucket): one more broadcast after the buckets carries them, as int64."""
 
 
 @dataclass(frozen=True)

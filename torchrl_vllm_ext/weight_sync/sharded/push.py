@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import pickle
+import queue
 import time
 
 import torch
@@ -42,10 +43,17 @@ from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.errors import ConfigurationError, ShardedPushError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.params import require_finite, torch_dtype
 from torchrl_vllm_ext.weight_sync.report import SyncReport
-from torchrl_vllm_ext.weight_sync.sharded.layout import Part, assign, part_of
+from torchrl_vllm_ext.weight_sync.sharded.layout import assign, part_of
 from torchrl_vllm_ext.weight_sync.sharded.rendezvous import Rendezvous
 from torchrl_vllm_ext.weight_sync.sharded.routes import pushed_names, sharded_route
 from torchrl_vllm_ext.weight_sync.sharded.storage import SlotBlocks
+from torchrl_vllm_ext.weight_sync.sharded.streamed import (
+    bucket_plan,
+    gathered,
+    hand_off,
+    header_of,
+    taken,
+)
 from torchrl_vllm_ext.weight_sync.sources import unwrap
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest, TensorSpec
 from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes
@@ -122,20 +130,22 @@ class ShardedWeightSync:
         rv = self.rendezvous
         rv.next_push()
         start = time.perf_counter()
-        parts, module, given = self._layout(weights, version)
+        parts, module, given, state = self._layout(weights, version)
         plan = self._plan(parts, module, given)
         version = plan["version"]
         parts = [pl for pl in parts if pl[0].name in plan["names"]]
         deadline = self.deadline.for_bytes(plan["nbytes"])
-        expected = None
+        expected, reference_s = None, 0.0
         if plan["reference"] is not None:
+            t0 = time.perf_counter()
             expected = self._step(
                 "reference",
                 deadline,
                 lambda: collective_reference(module, plan["probe"], plan["reference"]),
             )
+            reference_s = time.perf_counter() - t0
         sums = self._write(parts, plan, deadline) if self.route == "storage" else None
-        report = self._deliver(plan, sums, expected, deadline)
+        report = self._deliver(plan, sums, (expected, reference_s), deadline, state)
         self.version, self.last_report = report.version, report
         logger.info(
             "sharded push of version %s from %d ranks: %.3fs",
@@ -158,8 +168,9 @@ class ShardedWeightSync:
         rv.gather(step, deadline)
         return out
 
-    def _layout(self, weights, version) -> tuple[list[tuple[Part, torch.Tensor]], nn.Module, str]:
-        """1) this rank's parts, checked against every other rank's; the version given."""
+    def _layout(self, weights, version) -> tuple[list, nn.Module | None, str | None, dict]:
+        """1) this rank's parts, checked against every other rank's; the module, the
+        version given and the sharded tensors."""
         rv = self.rendezvous
         try:
             module, state = _sharded_state(weights)
@@ -182,7 +193,7 @@ class ShardedWeightSync:
             "layout", {"version": given, "digest": digest, "bad": bad, "module": module is not None}
         )
         given = _agree(rv.gather("layout", self.deadline.fixed_s))
-        return parts, module, given
+        return parts, module, given, state
 
     def _plan(self, parts, module, given: str | None) -> dict:
         """2) rank 0 decides; every rank reads its decision."""
@@ -220,7 +231,10 @@ class ShardedWeightSync:
             "probe": scheme.arrival.probe,
             "specs": [[n, list(shapes[n][0]), shapes[n][1]] for n in names],
         }
-        if self.route == "storage":
+        if self.route == "broadcast":
+            bucket_bytes = scheme.transport_impl.options.bucket_bytes
+            plan["buckets"] = bucket_plan(plan["specs"], bucket_bytes)
+        else:
             writer = scheme.transport_impl.writer
             layout = tuple((n, tuple(shapes[n][0]), torch_dtype(shapes[n][1])) for n in names)
             plan["slot"], path = writer.idle(layout)
@@ -248,35 +262,56 @@ class ShardedWeightSync:
             sums.update({k: int(v) for k, v in posted.items()})
         return sums
 
-    def _deliver(self, plan: dict, sums, expected, deadline: float) -> SyncReport:
-        """5) rank 0 publishes and has the scheme pause, load, check and commit; every rank
-        returns its report (or raises its error)."""
+    def _deliver(self, plan: dict, sums, reference, deadline: float, state) -> SyncReport:
+        """5) rank 0 publishes (or streams) and has the scheme pause, load, check and
+        commit; every rank returns its report (or raises its error)."""
         rv = self.rendezvous
         if self.rank == 0:
             try:
-                report = self._leader_push(plan, sums, expected)
+                report = self._leader_push(plan, sums, reference, state)
             except Exception as e:
                 rv.fail("result", e)
             else:
                 rv.post("result", base64.b64encode(pickle.dumps(report)).decode())
+        elif self.route == "broadcast":
+            try:  # the gathers rank 0 sends from, in lockstep
+                for _ in gathered(state, plan["specs"], plan["buckets"], keep=False):
+                    pass
+            except Exception as e:  # rank 0's push fails too: its gathers stop
+                logger.error("rank %d: the streamed gather failed: %s", self.rank, e)
         # the scheme's steps: stage, pause and load, probe (each within this deadline)
         posted = rv.one("result", 0, 3 * deadline)
         return pickle.loads(base64.b64decode(posted))
 
-    def _leader_push(self, plan: dict, sums, expected) -> SyncReport:
+    def _leader_push(self, plan: dict, sums, reference, state) -> SyncReport:
         scheme = self.scheme
+        expected, reference_s = reference
         transport = scheme.transport_impl
+        version = plan["version"]
         if self.route == "storage":
             specs = tuple(TensorSpec(n, d, tuple(s), sums[n]) for n, s, d in plan["specs"])
-            manifest = SlotManifest(version=plan["version"], slot=plan["slot"], tensors=specs)
+            manifest = SlotManifest(version=version, slot=plan["slot"], tensors=specs)
 
             def prepare(ready):
                 return transport.prepare_written(manifest, ready)
-        else:
-            raise ConfigurationError(f"sharded pushes over {self.route!r} are not built yet")
-        return scheme.service.run(
-            scheme.apush_prepared(plan["version"], plan["nbytes"], prepare, expected)
+
+            return scheme.service.run(
+                scheme.apush_prepared(version, plan["nbytes"], prepare, expected, reference_s)
+            )
+        header = header_of(plan["specs"], plan["buckets"], version)
+        handoff: queue.Queue = queue.Queue(maxsize=1)
+
+        def stream(ready):
+            return transport.prepare_streamed(header, taken(handoff), ready)
+
+        push = scheme.service.submit(
+            scheme.apush_prepared(version, plan["nbytes"], stream, expected, reference_s)
         )
+        try:
+            hand_off(gathered(state, plan["specs"], plan["buckets"], keep=True), handoff, push.done)
+        except Exception as e:
+            logger.error("rank 0: the streamed gather failed: %s", e)
+        return push.result()
 
     def close(self) -> None:
         """Drop this rank's mappings and its coordination keys (the scheme is the caller's)."""

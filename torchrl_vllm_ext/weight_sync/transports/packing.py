@@ -46,26 +46,39 @@ class Packed:
         }
 
 
-def _groups(
-    tensors: dict[str, torch.Tensor], bucket_bytes: int
-) -> list[list[tuple[str, torch.Tensor]]]:
-    """Same-dtype tensors in order, cut into groups of about ``bucket_bytes``."""
-    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in tensors.items():
-        by_dtype.setdefault(t.dtype, []).append((name, t))
-    groups: list[list[tuple[str, torch.Tensor]]] = []
-    for items in by_dtype.values():
+def bucket_groups(items: list[tuple[str, int]], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``items`` ((dtype, nbytes) each) grouped by dtype in order, each group
+    cut into buckets of about ``bucket_bytes`` (an item larger than that gets its own).
+
+    Examples:
+        >>> bucket_groups([("float32", 4), ("bfloat16", 2), ("float32", 4)], 6)
+        [[0], [2], [1]]
+    """
+    by_dtype: dict[str, list[int]] = {}
+    for i, (dtype, _) in enumerate(items):
+        by_dtype.setdefault(dtype, []).append(i)
+    groups: list[list[int]] = []
+    for indices in by_dtype.values():
         current, size = [], 0
-        for name, t in items:
-            nbytes = t.numel() * t.element_size()
+        for i in indices:
+            nbytes = items[i][1]
             if current and size + nbytes > bucket_bytes:
                 groups.append(current)
                 current, size = [], 0
-            current.append((name, t))
+            current.append(i)
             size += nbytes
         if current:
             groups.append(current)
     return groups
+
+
+def _groups(
+    tensors: dict[str, torch.Tensor], bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Same-dtype tensors in order, cut into groups of about ``bucket_bytes``."""
+    named = list(tensors.items())
+    items = [(dtype_name(t.dtype), t.numel() * t.element_size()) for _, t in named]
+    return [[named[i] for i in group] for group in bucket_groups(items, bucket_bytes)]
 
 
 def _fits(into: Packed, groups, device: torch.device) -> bool:

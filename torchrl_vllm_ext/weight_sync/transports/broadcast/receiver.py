@@ -78,10 +78,14 @@ class BroadcastReceiver:
                 "this worker is not in a broadcast group; call init_weight_broadcast first."
             )
         received = []
+        sums = None
         for i, bucket in enumerate(header.buckets):
             buf = _buffer(self.buffers, i, bucket.nbytes, self.device)
             try:
                 group[1].broadcast(buf, 0).wait()
+                if header.checksums_follow and i == len(header.buckets) - 1:
+                    sums = torch.empty(len(header.buckets), dtype=torch.int64, device=self.device)
+                    group[1].broadcast(sums, 0).wait()
             except Exception as e:  # the trainer died or stalled past the group's timeout
                 # The group is unusable now; the next push forms a new one.
                 if self.group is group:
@@ -97,12 +101,16 @@ class BroadcastReceiver:
                 raise error from e
             received.append((bucket, buf))
         # on the GPU for NCCL (no copy to the host), one sync for all buckets
-        sums = device_checksums([buf for _, buf in received])
-        for i, ((bucket, _), got) in enumerate(zip(received, sums, strict=True)):
-            if got != bucket.checksum:
+        got_sums = device_checksums([buf for _, buf in received])
+        if sums is None:
+            sent = [bucket.checksum for bucket, _ in received]
+        else:  # the sender's int64 words of the uint64 sums
+            sent = [s % (1 << 64) for s in sums.tolist()]
+        for i, (got, want) in enumerate(zip(got_sums, sent, strict=True)):
+            if got != want:
                 raise WeightSyncError(
                     f"bucket {i} of version {header.version} arrived corrupted (checksum {got} != "
-                    f"{bucket.checksum}); nothing was loaded."
+                    f"{want}); nothing was loaded."
                 )
         # Loaded in one reload: vLLM re-processes a layer once all its weights arrived.
         return [item for bucket, buf in received for item in unpack(bucket, buf)]

@@ -19,13 +19,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Iterable, Iterator
 
 import ray
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.extensions import WorkerMethods
-from torchrl_vllm_ext.weight_sync.specs import to_json
+from torchrl_vllm_ext.weight_sync.params import device_checksums
+from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, to_json
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup, listen
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
@@ -40,6 +42,16 @@ from torchrl_vllm_ext.weight_sync.transports.protocol import (
     raise_errors,
     settle,
 )
+
+
+def _with_checksums(buckets: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The buckets, then their checksums as one int64 tensor (uint64 sums wrapped)."""
+    sums = []
+    for bucket in buckets:
+        sums.append(device_checksums([bucket])[0])
+        yield bucket
+    yield torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64)
+
 
 SENDING_POLL_S = 0.25
 """Seconds between the same checks while the buckets are being sent (a heartbeat: a
@@ -93,9 +105,31 @@ class BroadcastTransport(Transport):
                 self._slots.pack, tensors, version, self.options.bucket_bytes, self._committed
             )
             phases["pack"] = time.perf_counter() - t0
-        buffers = packed.buffers
-        header_json = to_json(packed.header)
-        limit = self.deadline.for_bytes(sum(b.numel() * b.element_size() for b in buffers))
+        nbytes = sum(b.numel() * b.element_size() for b in packed.buffers)
+        prepared = await self._broadcast(packed.header, packed.buffers, nbytes, version, replicas)
+        self._staged = packed
+        return Prepared(prepared.calls, prepared.staged_in, {**phases, **prepared.phases})
+
+    async def prepare_streamed(
+        self, header: UpdateHeader, buckets: Iterable[torch.Tensor], replicas: Replicas
+    ) -> Prepared:
+        """``prepare`` of buckets that come one at a time (a sharded trainer's ranks gather
+        them in lockstep, :mod:`...sharded.streamed`): each is sent as it comes, and their
+        checksums, not known when the header went out, follow the last one
+        (``header.checksums_follow``). No copy stays here: a restarted replica waits for
+        the next push."""
+        nbytes = sum(b.nbytes for b in header.buckets)
+        self._staged = None
+        return await self._broadcast(
+            header, _with_checksums(buckets), nbytes, header.version, replicas
+        )
+
+    async def _broadcast(
+        self, header: UpdateHeader, buffers, nbytes: int, version: str, replicas: Replicas
+    ) -> Prepared:
+        """2) to 5) of ``prepare``."""
+        header_json = to_json(header)
+        limit = self.deadline.for_bytes(nbytes)
         t1 = time.perf_counter()
         await self._ensure_group(replicas, limit)  # 2)
         staged = await self.fleet.call_all(  # 3)
@@ -111,10 +145,8 @@ class BroadcastTransport(Transport):
         except BaseException:
             self._drop_group()
             raise
-        self._staged = packed
-        phases["send"] = time.perf_counter() - t1
         call = WorkerCall(WorkerMethods.APPLY_STAGED, (version,))
-        return Prepared(calls_for(replicas, call), phases=phases)
+        return Prepared(calls_for(replicas, call), phases={"send": time.perf_counter() - t1})
 
     async def _send(self, buffers, replicas: Replicas, version: str, limit: float) -> None:
         """4) Broadcast the buckets (in a thread) while 5) polling every replica until
