@@ -275,6 +275,26 @@ def wait_restarted(service, rid: int, old_pid: int) -> None:
     )
 
 
+def replica_actor(service, rid: int):
+    """The Ray actor of replica ``rid`` in any state (a held one is in no snapshot of ready
+    replicas), by the name the pool gave it."""
+    import ray
+
+    prefix = f"{service.name}-r{rid}-"
+    (name,) = [n for n in ray.util.list_named_actors() if n.startswith(prefix)]
+    return ray.get_actor(name)
+
+
+def sample_logprob_gap(model, data: RequestData) -> float:
+    """max |log-prob the replica gave each generated token - ``model``'s| over the first
+    sample of ``data`` (the tokens scored after the prompt, teacher-forced)."""
+    prompt = [int(t) for t in data.prompt_token_ids]
+    sample = data.samples[0]
+    ids = prompt + [int(t) for t in sample.token_ids]
+    expected = hf_token_logprobs(model, ids)[len(prompt) - 1 :]
+    return (torch.tensor(np.asarray(sample.logprobs)) - expected).abs().max().item()
+
+
 def service_rss(service) -> int:
     """Resident bytes of the driver plus every replica actor and its engine processes."""
     procs = [psutil.Process()]

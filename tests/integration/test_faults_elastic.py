@@ -1,7 +1,10 @@
 """A replica killed mid-batch, and scaling while serving.
 
 Each test leaves the shared service as it found it (two ready replicas at version "0"),
-so the file runs in any order with the others.
+so the file runs in any order with the others. Each keeps a weight-sync scheme open, which
+brings a started replica to the live weights: after a push whose scheme closed (earlier
+files) a started replica would hold the checkpoint and be held out of traffic
+(tests/integration/test_version_labels.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections import Counter
 
 import psutil
 
+from torchrl_vllm_ext import WeightSyncScheme
+
 from ..helpers import wait_until
 
 LONG = {"max_tokens": 64, "ignore_eos": True}
@@ -22,8 +27,14 @@ def prompts(n, seed=0):
     return [[7 + seed, 8, 9, 10 + i, 11 + i] for i in range(n)]
 
 
-def test_sigkill_during_a_batch_loses_nothing_and_replica_restarts(service):
-    service.set_weight_version("7")
+def test_sigkill_during_a_batch_loses_nothing_and_replica_restarts(service, hf_model):
+    with WeightSyncScheme(service, transport="storage") as scheme:
+        scheme.push(hf_model, version="7")  # the checkpoint's weights, labelled 7
+        sigkill_during_a_batch(service)
+        scheme.push(hf_model, version="0")
+
+
+def sigkill_during_a_batch(service) -> None:
     victim = service.replica_ids[0]
     old_pid = service.replica_info(victim).pid
     engine_pids = [p.pid for p in psutil.Process(old_pid).children(recursive=True)]
@@ -63,10 +74,15 @@ def test_sigkill_during_a_batch_loses_nothing_and_replica_restarts(service):
         prompts(4, seed=1), {"max_tokens": 2}, routing="round_robin"
     )
     assert {d.replica_id for d in data} == set(service.replica_ids)
-    service.set_weight_version("0")
 
 
-def test_add_then_remove_replicas_while_serving(service):
+def test_add_then_remove_replicas_while_serving(service, hf_model):
+    with WeightSyncScheme(service, transport="storage") as scheme:
+        scheme.push(hf_model, version="0")  # added replicas are brought to it
+        add_then_remove_replicas(service)
+
+
+def add_then_remove_replicas(service) -> None:
     before = service.replica_ids
     added = service.add_replicas(1)
     assert len(added) == 1 and service.num_replicas == 3

@@ -190,11 +190,13 @@ def test_bad_weights_touch_no_replica(model_dir):
 def test_a_restarted_replica_is_brought_to_the_live_version(model_dir):
     _service, scheme = scheme_for(model_dir, [Replica(0)])
     fresh = Replica(7)
-    asyncio.run(scheme.bring_up(view(fresh)))
+    assert asyncio.run(scheme.bring_up(view(fresh))) is None
     assert fresh.version == "0", "nothing pushed yet: nothing to bring"
     scheme.push(WEIGHTS, version=6)
-    asyncio.run(scheme.bring_up(view(fresh)))
+    assert asyncio.run(scheme.bring_up(view(fresh))) == "6", "the pool admits it by this"
     assert ("bring_up", 7, "6") in scheme.transport_impl.events and fresh.version == "6"
+    scheme.close()
+    assert asyncio.run(scheme.bring_up(view(Replica(8)))) is None, "closed: loads nothing"
 
 
 def test_verification_by_value_passes_exact_replicas_and_records_the_gap(model_dir):

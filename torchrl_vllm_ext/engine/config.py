@@ -74,7 +74,13 @@ class ServiceConfig:
     """Custom Ray resources each replica reserves, e.g. ``{"rollout": 0.01}`` to keep
     replicas on the nodes started with ``--resources '{"rollout": 1}'``."""
     weight_version: str = "0"
-    """Weight version label the replicas start with."""
+    """Weight version label the replicas start with: the checkpoint's label."""
+    allow_mixed_versions: bool = False
+    """Let a started replica that holds other weights than the live version's serve beside
+    the others, under its own label: after the weight-sync scheme that pushed the live
+    version closed, a restarted or added replica holds the checkpoint's weights (labelled
+    ``weight_version``). Off: it takes no requests until a push brings it to the live
+    version (state ``held``). Samples carry each token's true version either way."""
     engine_process: bool = field(default_factory=lambda: _env_flag(ENGINE_PROCESS_ENV))
     """(Default from ``TORCHRL_VLLM_ENGINE_PROCESS``.) Run every replica's engine as ``AsyncLLM`` with an engine-core process, also on CPU
     (default off: a single-worker CPU replica steps ``LLMEngine`` in its actor)."""

@@ -19,13 +19,17 @@ from torchrl_vllm_ext.messages import ReplicaInfo
 
 
 class ReplicaState(enum.Enum):
-    """Where a replica is in its life: ``STARTING -> READY -> (DRAINING | DEAD -> STARTING)
-    -> STOPPED``."""
+    """Where a replica is in its life: ``STARTING -> (READY | HELD) -> (DRAINING | DEAD ->
+    STARTING) -> STOPPED``; ``HELD -> READY`` once a push brings it to the live version."""
 
     STARTING = "starting"
     """Placed, engine starting, or being brought to the live weights and adapters."""
     READY = "ready"
     """Takes traffic."""
+    HELD = "held"
+    """Started, but holds other weights than the live version's (the checkpoint's, when no
+    weight-sync scheme could bring it up): takes no traffic until a push does
+    (:mod:`~torchrl_vllm_ext.engine.labels`)."""
     DRAINING = "draining"
     """Takes no new work; stops once idle (``remove_replicas``)."""
     DEAD = "dead"
@@ -66,8 +70,9 @@ class WeightsProvider(Protocol):
     version: str | None
     """The version the provider last pushed (None: nothing pushed yet)."""
 
-    async def bring_up(self, replica: ReplicaView) -> None:
-        """Load ``version`` into ``replica`` and label it."""
+    async def bring_up(self, replica: ReplicaView) -> str | None:
+        """Load ``version`` into ``replica`` and label it; returns the version loaded (None:
+        it loaded nothing, and the replica still holds the checkpoint)."""
 
 
 class ReplicaFleet(Protocol):

@@ -518,15 +518,16 @@ class WeightSyncScheme:
         self.close()
 
     # ------------------------------------------------------------------ restarts
-    async def bring_up(self, replica: ReplicaView) -> None:
-        """The service's weights provider: load the current version into a restarted replica.
+    async def bring_up(self, replica: ReplicaView) -> str | None:
+        """The service's weights provider: load the current version into a restarted replica;
+        returns that version (None: this scheme is no longer the provider, nothing loaded).
 
         Under the push lock: a push in flight (perhaps the one this replica died in)
         records its version first, and this replica then loads that version.
         """
         async with self._lock:
             if self.version is None or self.fleet.provider is not self:
-                return
+                return None
             await asyncio.wait_for(  # a restart whose load hangs is retried by the pool
                 self.transport_impl.bring_up(replica, self.version),
                 self.deadline.for_bytes(self._nbytes),
@@ -538,14 +539,23 @@ class WeightSyncScheme:
                 replica.replica_id,
                 self.version,
             )
+            return self.version
 
     def close(self) -> None:
-        """Release the transport and stop bringing restarted replicas up to date."""
+        """Release the transport and stop bringing restarted replicas up to date.
+
+        A replica started afterwards (a restart, an added replica) holds the checkpoint's
+        weights under the checkpoint's label, and takes no requests until a push brings it
+        to the live version (``ServiceConfig.allow_mixed_versions``: it serves under its own
+        label); the replicas serving now keep serving this scheme's last version.
+        """
         self._unhook()
         if self.fleet.provider is self:
             logger.info(
-                "closing the weight-sync scheme whose version %s is live: a replica restarted "
-                "from now on serves the checkpoint's weights until the next push",
+                "closing the weight-sync scheme whose version %s is live: a replica started "
+                "from now on holds the checkpoint's weights, labelled as the checkpoint, and "
+                "takes no requests until a push brings it to the live version (unless the "
+                "service allows mixed versions)",
                 self.version,
             )
             self.fleet.set_provider(None)

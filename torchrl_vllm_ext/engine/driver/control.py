@@ -84,13 +84,15 @@ class Control:
         return self.call_all("is_sleeping")
 
     async def label(self, version: str | int) -> None:
-        """Label every replica's weights with ``version`` (restarted replicas get the label).
+        """Label every ready replica's weights with ``version``.
 
-        The label replaces the weights provider's: a restarted replica then serves the
-        checkpoint's weights under this label until the next push.
+        The label replaces the weights provider's: a replica started afterwards gets the
+        label only while the live weights are the checkpoint's (nothing was pushed); over
+        pushed weights it holds the checkpoint, labelled as the checkpoint, and takes no
+        requests until the next push (``ServiceConfig.allow_mixed_versions``: it serves
+        under the checkpoint's label).
         """
-        self.pool.weight_version = str(version)
-        self.pool.set_provider(None)
+        self.pool.relabel(str(version))
         out = await self.pool.call_all("set_weight_version", str(version))
         out.check("set_weight_version")
 
@@ -166,7 +168,9 @@ class FleetView:
         return self.pool.view(replica_id).info
 
     def replica_states(self) -> dict[int, str]:
-        """Every replica the service holds: ``starting``, ``ready``, ``draining`` or ``dead``."""
+        """Every replica the service holds: ``starting``, ``ready``, ``held`` (holds other weights
+        than the live version's: see ``ServiceConfig.allow_mixed_versions``), ``draining`` or
+        ``dead``."""
         return {rid: state.value for rid, state in self.pool.states().items()}
 
     def deaths(self) -> list:

@@ -41,6 +41,7 @@ from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.driver import batch_invariance, cluster
 from torchrl_vllm_ext.engine.driver.start_order import StartGates, orders_starts
 from torchrl_vllm_ext.engine.fleet import ReplicaFleet, ReplicaState, ReplicaView, WeightsProvider
+from torchrl_vllm_ext.engine.labels import WeightLabels, held_refusal
 from torchrl_vllm_ext.engine.replica.actor import (
     CONCURRENCY_GROUPS,
     WATCH_GROUP,
@@ -75,6 +76,7 @@ class _Record:
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     owned: bool = True  # started by the pool, which stops it (see ReplicaPool.adopt)
+    holds: str | None = None  # the version a started replica loaded (None: the checkpoint)
 
     def view(self) -> ReplicaView:
         return ReplicaView(self.replica_id, self.actor, self.info)
@@ -116,7 +118,9 @@ class ReplicaPool(ReplicaCalls):
         self._restarting: set[int] = set()  # ids between their death and their restart
         self._closed = False
         self._publish_listeners: list[Callable[[], None]] = []
-        self._weight_version = str(config.weight_version)
+        self.labels = WeightLabels.at_launch(config.weight_version)
+        """The live version, the checkpoint's label, and which weights the live one names
+        (:mod:`~torchrl_vllm_ext.engine.labels`): what a started replica holds and serves."""
         self.provider: WeightsProvider | None = None
         """Brings started replicas to the live weights (the scheme that pushed last)."""
         self.serving = ServingState()
@@ -126,13 +130,9 @@ class ReplicaPool(ReplicaCalls):
     # ------------------------------------------------------------------ snapshot (any thread)
     @property
     def weight_version(self) -> str:
-        """The weights every replica serves, and restarted replicas are brought to."""
-        return self._weight_version
-
-    @weight_version.setter
-    def weight_version(self, version: str) -> None:
-        self._weight_version = str(version)
-        self._publish()
+        """The weights every ready replica serves (``allow_mixed_versions`` aside), and
+        restarted replicas are brought to."""
+        return self.labels.live
 
     def ready(self) -> tuple[ReplicaView, ...]:
         """The ready replicas, by id; an immutable snapshot any thread may read."""
@@ -256,7 +256,7 @@ class ReplicaPool(ReplicaCalls):
             replica_id=rid,
             model=cfg.model,
             engine_kwargs=cluster.engine_kwargs(res, cfg),
-            weight_version=self.weight_version,
+            weight_version=self.labels.checkpoint,  # its engine starts with the checkpoint
             env={**cluster.process_env(res, cfg), **batch_invariance.replica_env(cfg)},
             in_process=cluster.in_process_engine(res, cfg),
             actor_extension=cfg.actor_extension_cls,
@@ -290,24 +290,76 @@ class ReplicaPool(ReplicaCalls):
         view = rec.view()
         for step in self._bring_up_steps:  # adapters, before it takes traffic
             await step(view)
-        await self._match_service(view)
-        self._set_state(rec, ReplicaState.READY)
+        loaded = await self._match_service(view)
+        self._admit(rec, loaded)
 
-    async def _match_service(self, view: ReplicaView) -> None:
-        """Bring a started replica (it serves the checkpoint, under the live label) to the
-        live weights and to the service's pause and sleep."""
+    async def _match_service(self, view: ReplicaView) -> str | None:
+        """Bring a started replica (it holds the checkpoint, under the checkpoint's label) to
+        the live weights and to the service's pause and sleep; returns the version the
+        provider loaded (None: none, it still holds the checkpoint)."""
         state, actor = self.serving, view.handle
+        loaded = None
         for step in restart_steps(state):
             if step == "bring_up":
                 provider = self.provider
                 if provider is not None and provider.version is not None:
-                    await provider.bring_up(view)
+                    loaded = await provider.bring_up(view)
             elif step == "sleep":
                 await actor.sleep.remote(state.sleep_level, "abort")
             elif step == "wake_weights":
                 await actor.wake_up.remote(["weights"])
             else:  # "pause"
                 await actor.pause.remote(*state.paused)
+        return loaded
+
+    def _admit(self, rec: _Record, loaded: str | None) -> None:
+        """A started replica that loaded ``loaded`` takes traffic if it holds the live
+        weights (or the service allows mixed versions); else it is held out of it, unless no
+        replica serves the live version any more: then the checkpoint is the live version."""
+        labels, mixed = self.labels, self.config.allow_mixed_versions
+        rec.holds = loaded
+        label = labels.label_of(loaded)
+        decision = labels.admit(loaded, mixed, live_served=bool(self._ready))
+        if decision == "ready":
+            self._set_state(rec, ReplicaState.READY)
+        elif decision == "fall_back":
+            self._fall_back(rec)
+        elif decision == "mixed":
+            logger.warning(
+                "replica %d serves weight version %r beside the live version %r "
+                "(allow_mixed_versions=True): its samples say so",
+                rec.replica_id,
+                label,
+                labels.live,
+            )
+            self._set_state(rec, ReplicaState.READY)
+        else:
+            logger.warning(
+                "replica %d holds weight version %r, not the live version %r, and no "
+                "weight-sync scheme can bring it there: it takes no requests until a push "
+                "does (launch with allow_mixed_versions=True to let it serve under its own "
+                "label)",
+                rec.replica_id,
+                label,
+                labels.live,
+            )
+            self._set_state(rec, ReplicaState.HELD)
+
+    def _fall_back(self, rec: _Record) -> None:
+        """No replica serves the live version any more: the checkpoint, which ``rec`` and
+        the held replicas hold, becomes the live version under its own label."""
+        logger.warning(
+            "no replica serves weight version %r any more (each started since when no "
+            "weight-sync scheme could bring it there): the service serves the checkpoint's "
+            "weights under their label %r now",
+            self.labels.live,
+            self.labels.checkpoint,
+        )
+        self.labels = self.labels.fallen_back()
+        for other in [rec, *self._records.values()]:
+            if other is rec or (other.state is ReplicaState.HELD and other.holds is None):
+                other.state = ReplicaState.READY
+        self._publish()
 
     async def _start_engine(self, actor, rid: int) -> ReplicaInfo:
         """Start a replica's engine: at once, or in its GPU's turn when replicas share GPUs
@@ -329,10 +381,34 @@ class ReplicaPool(ReplicaCalls):
         )
 
     def set_provider(self, provider: WeightsProvider | None) -> None:
-        """Make ``provider`` bring started replicas to the live weights (None: nobody)."""
+        """Make ``provider`` bring started replicas to the live weights (None: nobody); a
+        provider with a version (a push committed it) also brings the held replicas there."""
         self.provider = provider
         if provider is not None and provider.version is not None:
-            self.weight_version = str(provider.version)
+            self.labels = self.labels.pushed(provider.version)
+            self._publish()
+            if any(r.state is ReplicaState.HELD for r in self._records.values()):
+                self._spawn(self._release_held(provider))
+
+    def relabel(self, version: str) -> None:
+        """Every ready replica's weights are labelled ``version`` from now on (the caller
+        labels them); no provider brings started replicas to them any more."""
+        self.labels = self.labels.relabelled(version)
+        self.provider = None
+        self._publish()
+
+    async def _release_held(self, provider: WeightsProvider) -> None:
+        """Bring every held replica to ``provider``'s version (after the push that made it
+        the provider: its bring-up waits on the push lock); each then takes traffic."""
+        for rec in [r for r in self._records.values() if r.state is ReplicaState.HELD]:
+            view = rec.view()
+            try:
+                loaded = await provider.bring_up(view)
+            except Exception as e:  # dead, or the load failed: restarted, as a death
+                self._died(view, e, "its bring-up to the live version")
+                continue
+            if rec.state is ReplicaState.HELD and self._records.get(rec.replica_id) is rec:
+                self._admit(rec, loaded)
 
     def adopt(self, replica: ReplicaView) -> None:
         """Serve an actor started elsewhere as a ready replica.
@@ -421,6 +497,9 @@ class ReplicaPool(ReplicaCalls):
             if self._ready:
                 return self._ready
             starting = ReplicaState.STARTING in self._states.values() or self._restarting
+            held = None if starting else held_refusal(self.name, self._states, self.weight_version)
+            if held is not None:
+                raise held
             if self._closed or not starting or loop.time() > deadline:
                 raise NoHealthyReplicaError(
                     f"service {self.name} has no ready replica (states: "
@@ -436,7 +515,7 @@ class ReplicaPool(ReplicaCalls):
         rid = view.replica_id
         cause = f"{type(error).__name__}: {error}"
         rec = self._records.get(rid)
-        alive = (ReplicaState.READY, ReplicaState.DRAINING)
+        alive = (ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.HELD)
         # A view taken before a restart names the old actor: its death is old news.
         if rec is not None and rec.actor is view.handle and rec.state in alive:
             draining = rec.state is ReplicaState.DRAINING
@@ -448,9 +527,13 @@ class ReplicaPool(ReplicaCalls):
             if not draining and not self._closed:
                 self._restarting.add(rid)
                 self._spawn(self._restart(rec))
+        provider = self.provider
+        note = self.labels.restart_note(
+            provider is not None and provider.version is not None,
+            self.config.allow_mixed_versions,
+        )
         return ReplicaDeadError(
-            f"replica {rid} died during {what} ({cause}); it is restarted at weight version "
-            f"{self.weight_version}."
+            f"replica {rid} died during {what} ({cause}); it is restarted {note}."
         )
 
     async def report_death(self, replica_id: int, process: str, cause: str, what: str) -> None:

@@ -424,10 +424,13 @@ class VLLMService:
     # FleetView (snapshot readers), Control (calls on every replica) and TorchRLEngine
     # (AsyncVLLM's engine calls) are parts: their methods are the service's (see below).
     async def _set_weight_version(self, version: str | int) -> None:
-        """Label every replica's weights with ``version`` (restarted replicas get the label).
+        """Label every ready replica's weights with ``version``.
 
-        The label replaces the weights provider's: a restarted replica then serves the
-        checkpoint's weights under this label until the next push.
+        The label replaces the weights provider's: a replica started afterwards gets the
+        label only while the live weights are the checkpoint's (nothing was pushed); over
+        pushed weights it holds the checkpoint, labelled as the checkpoint, and takes no
+        requests until the next push (``ServiceConfig.allow_mixed_versions``: it serves
+        under the checkpoint's label).
         """
         await self._control.label(version)
 
@@ -436,10 +439,15 @@ class VLLMService:
     def set_weights_provider(self, provider: WeightsProvider | None) -> None:
         """Make ``provider`` bring restarted replicas to the live weights (None: nobody).
 
-        A weight-sync scheme sets itself after each push it completes (on the owner).
+        A weight-sync scheme sets itself after each push it completes (on the owner); a
+        provider with a version also brings the held replicas to it.
         """
         self._require_owner("set_weights_provider")
-        self.pool.set_provider(provider)
+
+        async def provide() -> None:  # on the loop: it may start the held replicas' bring-up
+            self.pool.set_provider(provider)
+
+        self.run(provide())
 
     @property
     def weights_provider(self) -> WeightsProvider | None:

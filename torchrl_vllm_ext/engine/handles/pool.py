@@ -21,6 +21,7 @@ from torchrl_vllm_ext.engine.calls import ReplicaCalls
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.fleet import ReplicaState, ReplicaView
 from torchrl_vllm_ext.engine.handles.directory import ReplicaTable
+from torchrl_vllm_ext.engine.labels import held_refusal
 from torchrl_vllm_ext.errors import (
     ConfigurationError,
     NoHealthyReplicaError,
@@ -169,6 +170,9 @@ class HandlePool(ReplicaCalls):
         while not self._ready:
             if self._table.closed:
                 raise ServiceClosedError("the service was shut down by its owner.")
+            held = held_refusal("(the owner's)", self.states(), self.weight_version)
+            if held is not None:
+                raise held
             if loop.time() > deadline:
                 raise NoHealthyReplicaError(
                     f"no ready replica within {self.config.startup_timeout:.0f}s (owner's "
