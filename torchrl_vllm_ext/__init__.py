@@ -59,6 +59,7 @@ _EXPORTS = {
             "ServiceClosedError",
             "ShardedPushError",
             "TorchRLVLLMError",
+            "TrainerRankError",
             "UnknownRoutingStrategyError",
             "WeightSyncError",
         )

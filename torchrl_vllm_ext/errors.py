@@ -76,3 +76,15 @@ class ShardedPushError(WeightSyncError):
 class PartialLoadError(WeightSyncError):
     """A replica's load failed after it had begun writing its weights: it serves none
     until it is restarted (at the version the service serves)."""
+
+
+class TrainerRankError(TorchRLVLLMError):
+    """A rank of a data-parallel trainer (``rank``) failed or exited; the job stops and
+    every other rank is ended."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):  # crosses processes with its rank
+        return (type(self), (str(self), self.rank))

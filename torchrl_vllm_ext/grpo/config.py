@@ -56,6 +56,10 @@ class GRPOConfig:
     service on the initial weights whose log-probs each rollout carries (0: off)."""
     ref_replicas: int = 1
     """Replicas of the reference service (with ``kl_coef > 0``)."""
+    trainer_ranks: int = 1
+    """Trainer processes: more than 1 shards the model with FSDP2 over as many CPU ranks
+    (gloo; the job spawns ranks 1..N-1), each training on its share of every step's
+    groups and pushing its shards (ShardedWeightSync); must divide ``prompts_per_step``."""
     transport: str = "auto"
     """Weight-sync transport: auto, storage or broadcast."""
     seed: int = 0

@@ -23,6 +23,12 @@ import torch
 
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.grpo.config import GRPOConfig
+from torchrl_vllm_ext.grpo.data_parallel import (
+    DataParallelStep,
+    check_trainer_ranks,
+    shard_model,
+    start_trainer_ranks,
+)
 from torchrl_vllm_ext.grpo.report import mismatch_postfix, plot_run, summarize
 from torchrl_vllm_ext.grpo.rollouts import RolloutRecorder
 from torchrl_vllm_ext.grpo.trainer import GRPOTrainer, restrict_vocabulary
@@ -148,18 +154,20 @@ def run_grpo(
 ) -> dict:
     """Train with GRPO on vLLM replicas; returns the metrics also written to ``metrics.json``.
 
-    ``on_step`` receives each step's metrics as they come (a notebook can plot live).
+    ``on_step`` receives each step's metrics as they come (a notebook can plot live). With
+    ``cfg.trainer_ranks > 1`` the trainer is sharded over ranks this call spawns and ends
+    (:mod:`torchrl_vllm_ext.grpo.data_parallel`); call it under
+    ``if __name__ == "__main__":`` in a script, as any use of multiprocessing's spawn.
     """
-    from torchrl_vllm_ext import AdapterSync, WeightSyncScheme
-
+    check_trainer_ranks(cfg)
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.output)
     out_dir.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.is_available()
     model_path, tokenizer, model = load_trainer_model(cfg)
-    model.to(torch.device("cuda" if gpu else "cpu"))
+    # NOTE: sharded trainer ranks meet over gloo on the host (NCCL is not built yet).
+    model.to(torch.device("cuda" if gpu and cfg.trainer_ranks == 1 else "cpu"))
     model, env = _task(cfg, model)
-    trainer = _trainer(cfg, model, tokenizer)
     recorder = RolloutRecorder(
         out_dir / "rollouts",
         steps=cfg.steps,
@@ -169,12 +177,13 @@ def run_grpo(
     )
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
+        if cfg.trainer_ranks > 1:  # the other ranks load and shard while the replicas start
+            stack.enter_context(start_trainer_ranks(cfg, model_path, env.task_token_ids))
+            model = shard_model(model)
+        trainer = build_trainer(cfg, model, tokenizer)
         with replicas_without_torch_compile(gpu):
             service, ref_service = launch_services(cfg, model_path, gpu, stack)
-        if cfg.lora_rank:  # pushes carry the adapter only; the policy samples its newest
-            scheme = stack.enter_context(AdapterSync(service, "policy", keep=2))
-        else:
-            scheme = stack.enter_context(WeightSyncScheme(service, transport=cfg.transport))
+        scheme, pushes = _weight_sync(cfg, service, stack)
         startup_s = time.perf_counter() - started
         logger.info(
             "%d replicas up in %.1f s%s; weight sync: %s",
@@ -183,14 +192,31 @@ def run_grpo(
             f" (+ {cfg.ref_replicas} reference)" if ref_service is not None else "",
             scheme.transport,
         )
+        if cfg.trainer_ranks > 1:
+            trainer = stack.enter_context(DataParallelStep(trainer, cfg.trainer_ranks))
         loop = _Loop(cfg, trainer, recorder, model, scheme)
         loop.collector, loop.updater, loop.reference = _collector(
-            cfg, env, service, ref_service, scheme, tokenizer
+            cfg, env, service, ref_service, scheme, tokenizer, pushes
         )
         steps = loop.run(progress, on_step)
     if not steps:
         raise ConfigurationError("no GRPO step ran; pass --steps >= 1.")
     return _written(cfg, steps, startup_s, scheme.transport, out_dir)
+
+
+def _weight_sync(cfg: GRPOConfig, service, stack: contextlib.ExitStack):
+    """(the scheme, what the collector's updater pushes through), entered on ``stack``:
+    AdapterSync (LoRA), a WeightSyncScheme, or one with a ShardedWeightSync over it (the
+    collective call every trainer rank makes; the others make theirs in ``train_rank``)."""
+    from torchrl_vllm_ext import AdapterSync, ShardedWeightSync, WeightSyncScheme
+
+    if cfg.lora_rank:  # pushes carry the adapter only; the policy samples its newest
+        scheme = stack.enter_context(AdapterSync(service, "policy", keep=2))
+        return scheme, scheme
+    scheme = stack.enter_context(WeightSyncScheme(service, transport=cfg.transport))
+    if cfg.trainer_ranks == 1:
+        return scheme, scheme
+    return scheme, stack.enter_context(ShardedWeightSync(scheme))
 
 
 def _task(cfg: GRPOConfig, model):
@@ -214,7 +240,8 @@ def _task(cfg: GRPOConfig, model):
     return model, env
 
 
-def _trainer(cfg: GRPOConfig, model, tokenizer) -> GRPOTrainer:
+def build_trainer(cfg: GRPOConfig, model, tokenizer) -> GRPOTrainer:
+    """The job's :class:`GRPOTrainer` over ``model`` (sharded or not)."""
     return GRPOTrainer(
         model,
         tokenizer,
@@ -229,9 +256,9 @@ def _trainer(cfg: GRPOConfig, model, tokenizer) -> GRPOTrainer:
     )
 
 
-def _collector(cfg: GRPOConfig, env, service, ref_service, scheme, tokenizer):
-    """TorchRL's ``LLMCollector`` over the policy, its weight updater, and the reference
-    transform (None without a reference service)."""
+def _collector(cfg: GRPOConfig, env, service, ref_service, scheme, tokenizer, pushes):
+    """TorchRL's ``LLMCollector`` over the policy, its weight updater (pushing through
+    ``pushes``), and the reference transform (None without a reference service)."""
     from torchrl.collectors.llm import LLMCollector
 
     from torchrl_vllm_ext import ReferenceKL, VLLMPolicy, WeightSyncUpdater
@@ -266,7 +293,7 @@ def _collector(cfg: GRPOConfig, env, service, ref_service, scheme, tokenizer):
             "allowed_token_ids": env.task_token_ids,
         },
     )
-    updater = WeightSyncUpdater(scheme)
+    updater = WeightSyncUpdater(pushes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # TorchRL's legacy updater path
         # A one-step env needs no InitTracker, whatever TorchRL 0.14 guesses for any
@@ -342,7 +369,12 @@ class _Loop:
 def _written(cfg: GRPOConfig, steps: list[dict], startup_s: float, transport, out_dir) -> dict:
     """The run's summary, its plot and ``metrics.json``, written; the result."""
     summary = summarize(steps, target=cfg.target_fraction, random_reward=1.0 / (cfg.high - cfg.low))
-    summary.update(startup_s=startup_s, transport=transport, replicas=cfg.replicas)
+    summary.update(
+        startup_s=startup_s,
+        transport=transport,
+        replicas=cfg.replicas,
+        trainer_ranks=cfg.trainer_ranks,
+    )
     result = {
         "config": cfg.to_json(),
         "summary": summary,
@@ -358,4 +390,10 @@ def _written(cfg: GRPOConfig, steps: list[dict], startup_s: float, transport, ou
     return result
 
 
-__all__ = ["engine_kwargs", "launch_services", "load_trainer_model", "run_grpo"]
+__all__ = [
+    "build_trainer",
+    "engine_kwargs",
+    "launch_services",
+    "load_trainer_model",
+    "run_grpo",
+]

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 from tensordict import TensorDictBase
+from torch.distributed.tensor import DTensor
 
 from torchrl_vllm_ext.grpo.rollouts import response_rows
 
@@ -141,6 +142,14 @@ class GRPOTrainer:
         )
         self.optimizer = torch.optim.Adam(model.parameters(), lr=lr)
 
+    def set_advantage(self, batch: TensorDictBase) -> torch.Tensor:
+        """Write each row's group advantage into ``batch`` (``"advantage"``, which the
+        rollout recorder reads); returns the rewards, flat."""
+        reward = batch.get(("next", "reward")).reshape(-1).float()
+        advantage = group_advantage(reward, self.group_size)
+        batch.set("advantage", advantage.view(*batch.shape, 1, 1))
+        return reward
+
     def step(self, batch: TensorDictBase) -> dict[str, float]:
         """Advantages, loss, backward, optimizer step; returns the step's metrics.
 
@@ -154,9 +163,7 @@ class GRPOTrainer:
         mismatch figures (:data:`torchrl_vllm_ext.losses.METRICS`, the correction's
         fractions) and ``mismatch_s`` the time the loss spent on them (inside ``score_s``).
         """
-        reward = batch.get(("next", "reward")).reshape(-1).float()
-        advantage = group_advantage(reward, self.group_size)
-        batch.set("advantage", advantage.view(*batch.shape, 1, 1))  # the recorder reads it
+        reward = self.set_advantage(batch)
         data = batch.reshape(-1)
         start = time.perf_counter()
         out = self.loss(data)
@@ -168,6 +175,8 @@ class GRPOTrainer:
                 loss = loss + extra
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if isinstance(grad_norm, DTensor):  # FSDP2: the norm over every rank's shards
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         done = time.perf_counter()
         return {

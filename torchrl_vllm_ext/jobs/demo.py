@@ -26,6 +26,7 @@ FLAGS = {
     "group_size": "--group-size",
     "prompts_per_step": "--prompts",
     "replicas": "--replicas",
+    "trainer_ranks": "--trainer-ranks",
     "transport": "--transport",
     "lr": "--lr",
     "entropy_coeff": "--entropy-coeff",
