@@ -181,7 +181,7 @@ def train_rank(rank: int, world: int, cfg: GRPOConfig, model_path: str, token_id
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     torch.manual_seed(cfg.seed)
     _, tokenizer, model = load_trainer_model(dataclasses.replace(cfg, model=model_path))
-    restrict_vocabulary(model, token_ids)
+    mask = restrict_vocabulary(model, token_ids)
     trainer = build_trainer(cfg, shard_model(model), tokenizer)
     with ShardedWeightSync(None) as sync:
         while True:
@@ -191,7 +191,8 @@ def train_rank(rank: int, world: int, cfg: GRPOConfig, model_path: str, token_id
                 break
             metrics = trainer.step(part[0])
             dist.gather_object(metrics, None, dst=0)
-            sync.push(model)
+            with mask.lifted():  # as rank 0's: the value check scores the model's forward
+                sync.push(model)
     logger.info("trainer rank %d done at version %s", rank, sync.version)
 
 

@@ -25,7 +25,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from torchrl_vllm_ext.errors import TrainerRankError
+from torchrl_vllm_ext.errors import TorchRLVLLMError, TrainerRankError
 
 logger = logging.getLogger(__name__)
 
@@ -206,7 +206,11 @@ class TrainerRanks:
         failure = self.failed()
         ok = exc_type is None and failure is None
         codes = self.close(ok=ok)
-        if failure is not None:
+        if failure is not None and isinstance(exc, TorchRLVLLMError | KeyboardInterrupt):
+            # NOTE: rank 0's own error came first (the others then lose rank 0's store):
+            # it stays the error; theirs goes to the log.
+            logger.warning("after rank 0's %s: %s", type(exc).__name__, failure)
+        elif failure is not None:
             raise failure from exc
         bad = {rank: code for rank, code in codes.items() if code != 0}
         if ok and bad:

@@ -167,7 +167,7 @@ def run_grpo(
     model_path, tokenizer, model = load_trainer_model(cfg)
     # NOTE: sharded trainer ranks meet over gloo on the host (NCCL is not built yet).
     model.to(torch.device("cuda" if gpu and cfg.trainer_ranks == 1 else "cpu"))
-    model, env = _task(cfg, model)
+    model, env, mask = _task(cfg, model)
     recorder = RolloutRecorder(
         out_dir / "rollouts",
         steps=cfg.steps,
@@ -195,6 +195,8 @@ def run_grpo(
         if cfg.trainer_ranks > 1:
             trainer = stack.enter_context(DataParallelStep(trainer, cfg.trainer_ranks))
         loop = _Loop(cfg, trainer, recorder, model, scheme)
+        if cfg.trainer_ranks > 1:  # a sharded push's value check scores the model's forward
+            loop.push_guard = mask.lifted
         loop.collector, loop.updater, loop.reference = _collector(
             cfg, env, service, ref_service, scheme, tokenizer, pushes
         )
@@ -220,8 +222,8 @@ def _weight_sync(cfg: GRPOConfig, service, stack: contextlib.ExitStack):
 
 
 def _task(cfg: GRPOConfig, model):
-    """The task's env, and the trainer model restricted to its alphabet (LoRA-wrapped when
-    ``cfg.lora_rank``)."""
+    """The task's env, the trainer model restricted to its alphabet (LoRA-wrapped when
+    ``cfg.lora_rank``) and that restriction (a VocabularyMask)."""
     from torchrl_vllm_ext import TokenCountEnv
 
     env = TokenCountEnv(
@@ -234,10 +236,10 @@ def _task(cfg: GRPOConfig, model):
         seed=cfg.seed,
         sample_seeds=True,  # reproducible sampling whatever replica serves a row
     )
-    restrict_vocabulary(model, env.task_token_ids)
+    mask = restrict_vocabulary(model, env.task_token_ids)
     if cfg.lora_rank:
         model = with_lora(model, cfg.lora_rank)
-    return model, env
+    return model, env, mask
 
 
 def build_trainer(cfg: GRPOConfig, model, tokenizer) -> GRPOTrainer:
@@ -316,6 +318,8 @@ class _Loop:
         self.cfg, self.trainer, self.recorder = cfg, trainer, recorder
         self.model, self.scheme = model, scheme
         self.collector = self.updater = self.reference = None
+        self.push_guard = contextlib.nullcontext
+        """The context each push runs in (sharded: the vocabulary mask lifted)."""
 
     def run(self, progress: bool, on_step) -> list[dict]:
         from tqdm.auto import tqdm
@@ -350,7 +354,8 @@ class _Loop:
         metrics = self.trainer.step(batch)
         self.recorder.record(step, batch)
         t1 = time.perf_counter()
-        self.collector.update_policy_weights_(self.model)
+        with self.push_guard():
+            self.collector.update_policy_weights_(self.model)
         sync_s = time.perf_counter() - t1
         report = self.updater.last_report
         if self.reference is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -16,13 +17,14 @@ from torchrl_vllm_ext.grpo.rollouts import response_rows
 MASKED_LOGIT = -1e9
 
 
-def restrict_vocabulary(model: torch.nn.Module, token_ids: Sequence[int]):
-    """Mask the model's output logits to ``token_ids``; returns the hook handle.
+def restrict_vocabulary(model: torch.nn.Module, token_ids: Sequence[int]) -> VocabularyMask:
+    """Mask the model's output logits to ``token_ids``; returns the mask (``remove()``
+    lifts it for good, ``lifted()`` for a while).
 
     The replicas sample with ``allowed_token_ids=token_ids`` and report processed
     log-probs (``logprobs_mode="processed_logprobs"``), i.e. log-softmax over the allowed
     ids; the trainer must score with the same distribution for GRPO's importance weights
-    to be 1 on fresh samples. ``handle.remove()`` lifts the mask.
+    to be 1 on fresh samples.
 
     Examples:
         >>> from transformers import AutoModelForCausalLM
@@ -34,14 +36,47 @@ def restrict_vocabulary(model: torch.nn.Module, token_ids: Sequence[int]):
         1.0
         >>> handle.remove()
     """
-    head = model.get_output_embeddings()
-    mask = torch.full((head.weight.shape[0],), MASKED_LOGIT)
-    mask[list(token_ids)] = 0.0
+    return VocabularyMask(model.get_output_embeddings(), token_ids)
 
-    def add_mask(module, inputs, logits):
-        return logits + mask.to(device=logits.device, dtype=logits.dtype)
 
-    return head.register_forward_hook(add_mask)
+class VocabularyMask:
+    """A forward hook on the output embeddings adding :data:`MASKED_LOGIT` to every id
+    outside ``token_ids`` (see :func:`restrict_vocabulary`).
+
+    Examples:
+        >>> head = torch.nn.Linear(2, 4)
+        >>> mask = VocabularyMask(head, [1, 2])
+        >>> bool(head(torch.ones(2))[0] < -1e8)
+        True
+        >>> with mask.lifted():  # the model's own logits meanwhile
+        ...     bool(head(torch.ones(2))[0] < -1e8)
+        False
+        >>> mask.remove()
+    """
+
+    def __init__(self, head: torch.nn.Module, token_ids: Sequence[int]):
+        self.head = head
+        self.mask = torch.full((head.weight.shape[0],), MASKED_LOGIT)
+        self.mask[list(token_ids)] = 0.0
+        self.handle = head.register_forward_hook(self.add_mask)
+
+    def add_mask(self, module, inputs, logits):
+        return logits + self.mask.to(device=logits.device, dtype=logits.dtype)
+
+    def remove(self) -> None:
+        """Lift the mask for good."""
+        self.handle.remove()
+
+    @contextlib.contextmanager
+    def lifted(self):
+        """The model's own logits inside the block: what a sharded push's value check
+        scores (its reference is the model's forward; the replicas' probe has no
+        ``allowed_token_ids``)."""
+        self.handle.remove()
+        try:
+            yield
+        finally:
+            self.handle = self.head.register_forward_hook(self.add_mask)
 
 
 def group_advantage(reward: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -194,4 +229,10 @@ class GRPOTrainer:
         }
 
 
-__all__ = ["MASKED_LOGIT", "GRPOTrainer", "group_advantage", "restrict_vocabulary"]
+__all__ = [
+    "MASKED_LOGIT",
+    "GRPOTrainer",
+    "VocabularyMask",
+    "group_advantage",
+    "restrict_vocabulary",
+]
