@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -184,16 +185,27 @@ def train_rank(rank: int, world: int, cfg: GRPOConfig, model_path: str, token_id
     mask = restrict_vocabulary(model, token_ids)
     trainer = build_trainer(cfg, shard_model(model), tokenizer)
     with ShardedWeightSync(None) as sync:
-        while True:
-            part = [None]
-            dist.scatter_object_list(part, None, src=0)
-            if part[0] is None:
-                break
-            metrics = trainer.step(part[0])
-            dist.gather_object(metrics, None, dst=0)
+
+        def push() -> None:
             with mask.lifted():  # as rank 0's: the value check scores the model's forward
                 sync.push(model)
-    logger.info("trainer rank %d done at version %s", rank, sync.version)
+
+        steps = serve_steps(trainer, push)
+    logger.info("trainer rank %d done: %d steps, version %s", rank, steps, sync.version)
+
+
+def serve_steps(trainer, push: Callable[[], object]) -> int:
+    """Ranks 1..N-1: train on each part rank 0 scatters (:class:`DataParallelStep`), send
+    the metrics, ``push()``; until rank 0 scatters None. Returns the steps served."""
+    steps = 0
+    while True:
+        part = [None]
+        dist.scatter_object_list(part, None, src=0)
+        if part[0] is None:
+            return steps
+        dist.gather_object(trainer.step(part[0]), None, dst=0)
+        push()
+        steps += 1
 
 
 def _log_to(log_file, rank: int) -> None:
@@ -214,6 +226,7 @@ __all__ = [
     "DataParallelStep",
     "check_trainer_ranks",
     "combine_metrics",
+    "serve_steps",
     "shard_model",
     "split_groups",
     "start_trainer_ranks",
