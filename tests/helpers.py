@@ -5,6 +5,7 @@ no test file imports another."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -698,3 +699,39 @@ def child_pids(service, replica_id: int) -> list[int]:
 
     actor = psutil.Process(service.replica_info(replica_id).pid)
     return [p.pid for p in actor.children(recursive=True)]
+
+
+# ---------------------------------------------------------------------- sharded trainers
+@contextlib.contextmanager
+def sharded_world(model_dir, steps: list[dict], world: int = 2):
+    """This process as rank 0 of a gloo world whose other ranks run
+    :func:`torchrl_vllm_ext.testing.sharded.follow` over ``steps`` in spawned processes;
+    yields (the queue of their results, their processes). Gone afterwards: the ranks
+    joined (killed if stuck), the process group destroyed."""
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    from torchrl_vllm_ext.testing.sharded import follow, init_gloo
+    from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [
+        ctx.Process(target=follow, args=(rank, world, port, str(model_dir), steps, results))
+        for rank in range(1, world)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        init_gloo(0, world, port)
+        yield results, procs
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()

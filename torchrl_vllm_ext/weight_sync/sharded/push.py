@@ -81,9 +81,10 @@ class ShardedWeightSync:
         >>> for layer in model.model.layers:  # doctest: +SKIP
         ...     fully_shard(layer)
         >>> fully_shard(model)  # doctest: +SKIP
-        >>> scheme = WeightSyncScheme(service, transport="storage") if rank == 0 else None
+        >>> # on every rank: rank 0 holds the scheme, the others None
+        >>> scheme = WeightSyncScheme(service, "storage") if rank == 0 else None  # doctest: +SKIP
         >>> sync = ShardedWeightSync(scheme)  # doctest: +SKIP
-        >>> sync.push(model).version  # on every rank, after each optimizer step  # doctest: +SKIP
+        >>> sync.push(model).version  # every rank, after each optimizer step  # doctest: +SKIP
         '1'
     """
 
@@ -314,7 +315,8 @@ class ShardedWeightSync:
         return push.result()
 
     def close(self) -> None:
-        """Drop this rank's mappings and its coordination keys (the scheme is the caller's)."""
+        """Drop this rank's mappings and its coordination keys (the scheme is the caller's);
+        on rank 0, once every other rank closed (or a deadline passed), the store too."""
         self.blocks.close()
         self.rendezvous.close()
 

@@ -55,14 +55,18 @@ class Rendezvous:
             self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
         self.push = 0
         """The push the ranks are at (every rank counts its own calls)."""
-        self._posted: list[str] = []
+        self._posted: dict[int, list[str]] = {}
+        """This rank's keys, by push."""
+        self.gone: set[int] = set()
+        """Ranks that missed a step's deadline (not waited for again at :meth:`close`)."""
 
     def next_push(self) -> None:
-        """A new push: its keys, the previous push's of this rank dropped."""
-        for step in self._posted:
-            self._delete(step)
+        """A new push. This rank's keys of the push before last go: every rank is past it
+        (each began the last push, which waits for every rank), while the last push's may
+        still be read by a rank that has not returned from it."""
         self.push += 1
-        self._posted = []
+        for key in self._posted.pop(self.push - 2, []):
+            self._delete(key)
 
     def _key(self, step: str, rank: int) -> str:
         return f"{self.push}/{step}/{rank}"
@@ -87,7 +91,7 @@ class Rendezvous:
             self.store.set(key, text)
         except Exception as e:
             raise self._leader_gone(step, e) from e
-        self._posted.append(key)
+        self._posted.setdefault(self.push, []).append(key)
 
     def gather(self, step: str, deadline_s: float, ranks=None) -> list:
         """Every rank's value for ``step`` (in rank order), once all posted; a
@@ -105,6 +109,7 @@ class Rendezvous:
                 raise self._leader_gone(step, e) from e
             if time.monotonic() >= end:
                 missing = tuple(r for r in ranks if r not in posted)
+                self.gone.update(missing)
                 raise ShardedPushError(
                     f"sharded push {self.push}: rank(s) {list(missing)} did not reach step "
                     f"{step!r} within {deadline_s:.1f}s (dead, stuck, or not calling the push "
@@ -113,7 +118,10 @@ class Rendezvous:
                     missing,
                 )
             time.sleep(POLL_S)
-        values = [json.loads(self.store.get(k)) for k in keys]
+        try:
+            values = [json.loads(self.store.get(k)) for k in keys]
+        except Exception as e:
+            raise self._leader_gone(step, e) from e
         failed = [(r, v[_FAILED]) for r, v in zip(ranks, values, strict=True) if _is_failure(v)]
         if failed:
             raise ShardedPushError(
@@ -134,10 +142,21 @@ class Rendezvous:
             (0,),
         )
 
-    def close(self) -> None:
-        for key in self._posted:
-            self._delete(key)
-        self._posted = []
+    def close(self, wait_s: float = 30.0) -> None:
+        """Leave: every rank says so, and rank 0, whose process serves the store, waits
+        (up to ``wait_s``) until the others did, so none loses the store while it still
+        reads the last push's result. Idempotent."""
+        if self.store is None:
+            return
+        others = [r for r in range(self.world) if r != self.rank and r not in self.gone]
+        try:
+            self.post("closed", None)
+            if self.rank == 0 and others:
+                self.gather("closed", wait_s, ranks=others)
+        except ShardedPushError as e:
+            logger.warning("closing the sharded push's store: %s", e)
+        # No key is deleted: rank 0's store goes with it, once the others left.
+        self._posted = {}
         self.store = None
 
 

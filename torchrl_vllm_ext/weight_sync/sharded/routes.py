@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.specs import TensorSpec
+from torchrl_vllm_ext.weight_sync.transports import registry
 
-ROUTES = ("storage", "broadcast")
-"""The transports a sharded push writes or streams into."""
+ROUTES = registry.names(cpu=True, composite=False)
+"""The transports a sharded push writes (storage) or streams (broadcast) into: those
+that run on CPUs too and are not composed of others."""
 
 
 def route_for(transport: str, uses_gpu: bool) -> str:
@@ -23,12 +25,11 @@ def route_for(transport: str, uses_gpu: bool) -> str:
     """
     if transport in ROUTES:
         return transport
+    planned = " (planned per replica on GPUs)" if uses_gpu and transport not in ROUTES else ""
     raise ConfigurationError(
         f"a sharded push writes a storage slot or streams a broadcast; the scheme's "
-        f"transport is {transport!r}"
-        + (" (planned per replica on GPUs)" if uses_gpu and transport in ("auto", "ipc") else "")
-        + ". Create the scheme on rank 0 with transport='storage' (one host, or a shared "
-        "storage_dir) or transport='broadcast'."
+        f"transport is {transport!r}{planned}. Create the scheme on rank 0 with "
+        "transport='storage' (one host, or a shared storage_dir) or transport='broadcast'."
     )
 
 
