@@ -32,6 +32,7 @@ BENCHMARKS = {
     "multiturn": ([], ["--sessions", "9", "--turns", "3", "--repeats", "1"]),
     "lora": ([], ["--hidden", "256", "--layers", "8", "--repeats", "2"]),
     "multinode": ([], ["--hidden", "256", "--layers", "8", "--rounds", "3"]),
+    "sharded": ([], ["--hidden", "256", "--layers", "8", "--repeats", "2", "--worlds", "2"]),
 }
 RATIO_WORDS = ("ratio", "_vs_", "_over_", "speedup", "fraction", "share", "hit_rate")
 

@@ -133,10 +133,10 @@ class ShardedWeightSync:
         start = time.perf_counter()
         parts, module, given, state = self._layout(weights, version)
         plan = self._plan(parts, module, given)
-        version = plan["version"]
         parts = [pl for pl in parts if pl[0].name in plan["names"]]
         deadline = self.deadline.for_bytes(plan["nbytes"])
-        expected, reference_s = None, 0.0
+        phases = {"agree": time.perf_counter() - start}
+        expected = None
         if plan["reference"] is not None:
             t0 = time.perf_counter()
             expected = self._step(
@@ -144,13 +144,17 @@ class ShardedWeightSync:
                 deadline,
                 lambda: collective_reference(module, plan["probe"], plan["reference"]),
             )
-            reference_s = time.perf_counter() - t0
-        sums = self._write(parts, plan, deadline) if self.route == "storage" else None
-        report = self._deliver(plan, sums, (expected, reference_s), deadline, state)
+            phases["reference"] = time.perf_counter() - t0
+        sums = None
+        if self.route == "storage":
+            t0 = time.perf_counter()
+            sums = self._write(parts, plan, deadline)
+            phases["ranks_write"] = time.perf_counter() - t0
+        report = self._deliver(plan, sums, (expected, phases, start), deadline, state)
         self.version, self.last_report = report.version, report
         logger.info(
             "sharded push of version %s from %d ranks: %.3fs",
-            version,
+            report.version,
             self.world,
             time.perf_counter() - start,
         )
@@ -285,8 +289,17 @@ class ShardedWeightSync:
         return pickle.loads(base64.b64decode(posted))
 
     def _leader_push(self, plan: dict, sums, reference, state) -> SyncReport:
+        """Rank 0's step 5: the scheme's push of what the ranks wrote (or stream); its
+        report covers the whole sharded push (``seconds`` from the ranks' first step,
+        their steps first in ``phases``)."""
+        expected, phases, start = reference
+        report = self._scheme_push(plan, sums, expected, phases.get("reference", 0.0), state)
+        report.phases = {**phases, **report.phases}
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _scheme_push(self, plan: dict, sums, expected, reference_s: float, state) -> SyncReport:
         scheme = self.scheme
-        expected, reference_s = reference
         transport = scheme.transport_impl
         version = plan["version"]
         if self.route == "storage":

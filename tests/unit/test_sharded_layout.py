@@ -1,0 +1,104 @@
+"""The plain logic of sharded pushes: which block each rank holds and writes, the names a
+push sends, its route, the balance of the checksum pass, the buckets of the gather."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from torchrl_vllm_ext.errors import ConfigurationError, ShardedPushError, WeightSyncError
+from torchrl_vllm_ext.weight_sync.sharded.layout import assign, block, describe, region_of
+from torchrl_vllm_ext.weight_sync.sharded.routes import ROUTES, pushed_names, route_for
+from torchrl_vllm_ext.weight_sync.sharded.streamed import bucket_plan, header_of
+from torchrl_vllm_ext.weight_sync.specs import TensorSpec
+
+
+def chunked(full: torch.Tensor, placements, mesh_shape, coordinate) -> torch.Tensor:
+    """What torch.chunk gives the rank at ``coordinate``, nested in mesh-dim order."""
+    local = full
+    for placement, size, coord in zip(placements, mesh_shape, coordinate, strict=True):
+        if placement[0] == "shard":
+            pieces = torch.chunk(local, size, dim=placement[1])
+            dim = placement[1]
+            local = pieces[coord] if coord < len(pieces) else local.narrow(dim, 0, 0)
+    return local
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_blocks_are_torch_chunks_and_cover_the_tensor_once(seed):
+    rng = random.Random(seed)
+    shape = tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 3)))
+    mesh_shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 2)))
+    placements = tuple(
+        ("shard", rng.randrange(len(shape))) if rng.random() < 0.7 else ("replicate",)
+        for _ in mesh_shape
+    )
+    full = torch.arange(torch.Size(shape).numel()).view(shape)
+    written = torch.zeros(shape, dtype=torch.long)
+    for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+        region, writes = region_of(shape, placements, mesh_shape, coordinate)
+        expected = chunked(full, placements, mesh_shape, coordinate)
+        assert torch.equal(block(full, region), expected), (placements, coordinate)
+        if writes:
+            block(written, region).add_(1)
+    assert (written == 1).all(), "every element written by exactly one rank"
+
+
+def test_placements_that_are_not_blocks_are_refused_by_name():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    assert describe("w", Shard(1)) == ("shard", 1)
+    assert describe("w", Replicate()) == ("replicate",)
+    for placement in (Partial(), _StridedShard(0, split_factor=2)):
+        with pytest.raises(ShardedPushError, match="parameter 'w' is placed as"):
+            describe("w", placement)
+
+
+def test_pushed_names_check_the_served_checkpoint():
+    expected = {
+        "a": TensorSpec("a", "float32", (2, 3)),
+        "b": TensorSpec("b", "float32", (4,)),
+    }
+    shapes = {"a": ((2, 3), "float32"), "b": ((4,), "float32")}
+    assert pushed_names({**shapes, "lm_head.weight": ((2, 3), "float32")}, expected) == ["a", "b"]
+    with pytest.raises(WeightSyncError, match="'b' is missing"):
+        pushed_names({"a": shapes["a"]}, expected)
+    with pytest.raises(WeightSyncError, match="'c' is not in the served checkpoint"):
+        pushed_names({**shapes, "c": ((1,), "float32")}, expected)
+    with pytest.raises(WeightSyncError, match=r"'b' has shape \(5,\)"):
+        pushed_names({**shapes, "b": ((5,), "float32")}, expected)
+    with pytest.raises(WeightSyncError, match="'a' has dtype int64"):
+        pushed_names({**shapes, "a": ((2, 3), "int64")}, expected)
+
+
+def test_routes_are_storage_and_broadcast_and_the_rest_is_refused():
+    assert set(ROUTES) == {"storage", "broadcast"}
+    for route in ROUTES:
+        assert route_for(route, uses_gpu=True) == route
+    with pytest.raises(ConfigurationError, match="planned per replica on GPUs"):
+        route_for("auto", uses_gpu=True)
+    with pytest.raises(ConfigurationError, match="transport='storage'"):
+        route_for("ipc", uses_gpu=False)
+
+
+def test_checksums_are_shared_by_bytes():
+    owners = assign([100, 60, 50, 10, 10, 10], 3)
+    load = [0, 0, 0]
+    for size, owner in zip([100, 60, 50, 10, 10, 10], owners, strict=True):
+        load[owner] += size
+    assert max(load) == 100 and sorted(load) == [70, 70, 100]
+    assert assign([5], 4) == [0] and assign([], 2) == []
+
+
+def test_the_gather_buckets_follow_the_packing_layout():
+    specs = [["a", [4], "float32"], ["b", [2, 2], "bfloat16"], ["c", [8], "float32"]]
+    buckets = bucket_plan(specs, bucket_bytes=20)
+    assert buckets == [[0], [2], [1]]  # dtype groups in order; c (32 B) alone
+    header = header_of(specs, buckets, "7")
+    assert header.checksums_follow and header.version == "7"
+    assert [b.nbytes for b in header.buckets] == [16, 32, 8]
+    assert [t.name for b in header.buckets for t in b.tensors] == ["a", "c", "b"]
