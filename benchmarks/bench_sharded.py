@@ -32,8 +32,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from torchrl_vllm_ext.weight_sync.sharded.routes import ROUTES as TRANSPORTS
+
 logger = logging.getLogger("bench_sharded")
-TRANSPORTS = ("storage", "broadcast")
 
 
 def follower(rank: int, world: int, port: int, model_dir: str, repeats: int, results) -> None:

@@ -14,6 +14,7 @@ from torchrl_vllm_ext.weight_sync.sharded.layout import assign, block, describe,
 from torchrl_vllm_ext.weight_sync.sharded.routes import ROUTES, pushed_names, route_for
 from torchrl_vllm_ext.weight_sync.sharded.streamed import bucket_plan, header_of
 from torchrl_vllm_ext.weight_sync.specs import TensorSpec
+from torchrl_vllm_ext.weight_sync.transports import registry
 
 
 def chunked(full: torch.Tensor, placements, mesh_shape, coordinate) -> torch.Tensor:
@@ -76,7 +77,7 @@ def test_pushed_names_check_the_served_checkpoint():
 
 
 def test_routes_are_storage_and_broadcast_and_the_rest_is_refused():
-    assert set(ROUTES) == {"storage", "broadcast"}
+    assert set(ROUTES) == set(registry.names(cpu=True, composite=False))
     for route in ROUTES:
         assert route_for(route, uses_gpu=True) == route
     with pytest.raises(ConfigurationError, match="planned per replica on GPUs"):
