@@ -137,8 +137,9 @@ class Rendezvous:
     def _leader_gone(self, step: str, error: BaseException) -> ShardedPushError:
         return ShardedPushError(
             f"sharded push {self.push}: rank 0 (which talks to the service) is gone at step "
-            f"{step!r} ({type(error).__name__}: {error}); the replicas keep the last version "
-            "rank 0 published. Restart the trainer's ranks.",
+            f"{step!r} ({type(error).__name__}: {error}): its process ended, often on an "
+            "error of its own, which its log names. The replicas keep the last version rank "
+            "0 published. Restart the trainer's ranks.",
             (0,),
         )
 
