@@ -252,7 +252,8 @@ class ShardedWeightSync:
         names = plan["names"]
         path = plan["path"]
         self._step("wrote", deadline, lambda: self.blocks.write(path, self.rank, parts))
-        sizes = {p.name: p.numel * torch_dtype(p.dtype).itemsize for p, _ in parts}
+        # the full tensors' bytes (the same on every rank, unlike its blocks')
+        sizes = {n: math.prod(s) * torch_dtype(d).itemsize for n, s, d in plan["specs"]}
         owners = assign([sizes[n] for n in names], self.world)
         mine = [n for n, owner in zip(names, owners, strict=True) if owner == self.rank]
         rv = self.rendezvous
