@@ -25,8 +25,9 @@ TIMEOUT_S = 120
 
 
 def model(seed: int = 0) -> nn.Module:
+    """Square layers, then one of 7 outputs: FSDP2 splits its rows 4 + 3 (uneven blocks)."""
     torch.manual_seed(seed)
-    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
+    return nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)), nn.Linear(WIDTH, 7))
 
 
 def full_bytes() -> int:
@@ -65,7 +66,8 @@ def storage_check(rank: int, state) -> dict:
     import torch.distributed as dist
 
     from torchrl_vllm_ext.testing.sharded import peak_anon_bytes
-    from torchrl_vllm_ext.weight_sync.sharded.layout import part_of
+    from torchrl_vllm_ext.weight_sync.params import checksum
+    from torchrl_vllm_ext.weight_sync.sharded.layout import assign, part_of
     from torchrl_vllm_ext.weight_sync.sharded.storage import SlotBlocks
     from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotWriter, slot_key
 
@@ -82,11 +84,20 @@ def storage_check(rank: int, state) -> dict:
     slot = blocks.slot(path[0], rank)
     reference = model().state_dict()
     equal = all(torch.equal(slot.get(slot_key(n)), t) for n, t in reference.items())
+    # the checksum pass as a push shares it: every tensor summed by exactly one rank
+    names = list(state)
+    sizes = [t.numel() * t.element_size() for t in state.values()]
+    mine = [n for n, owner in zip(names, assign(sizes, 2), strict=True) if owner == rank]
+    sums = [None, None]
+    dist.all_gather_object(sums, blocks.checksums(path[0], rank, mine))
+    summed = {k: v for part in sums for k, v in part.items()}
+    checked = sorted(summed) == sorted(names) and len(sums[0]) + len(sums[1]) == len(names)
+    checked = checked and all(summed[n] == checksum(t) for n, t in reference.items())
     blocks.close()
     dist.barrier()
     if writer is not None:
         writer.close()
-    return {"peak": peak, "equal": equal}
+    return {"peak": peak, "equal": equal, "checked": checked}
 
 
 def gather_check(rank: int, state) -> dict:
@@ -160,6 +171,7 @@ def ranks() -> dict:
 def test_each_rank_writes_its_blocks_and_no_more(ranks):
     for rank, out in ranks.items():
         assert out["storage"]["equal"], f"rank {rank}: the slot differs from the model"
+        assert out["storage"]["checked"], f"rank {rank}: a tensor's checksum is missing or wrong"
         assert out["storage"]["peak"] < full_bytes() / 8, (rank, out["storage"]["peak"])
 
 
