@@ -103,3 +103,22 @@ def test_the_gather_buckets_follow_the_packing_layout():
     assert header.checksums_follow and header.version == "7"
     assert [b.nbytes for b in header.buckets] == [16, 32, 8]
     assert [t.name for b in header.buckets for t in b.tensors] == ["a", "c", "b"]
+
+
+def test_the_ranks_agree_on_one_layout_one_version_and_finite_shards():
+    from torchrl_vllm_ext.weight_sync.sharded.push import agree
+
+    def layout(digest="d", version=None, bad=None):
+        return {"digest": digest, "version": version, "bad": bad, "module": True}
+
+    assert agree([layout(), layout(version="3")]) == "3"  # one rank names it: every rank
+    assert agree([layout(), layout()]) is None  # none: rank 0 picks TorchRL's next
+    with pytest.raises(ShardedPushError, match=r"rank\(s\) \[1\] pushed parameters") as e:
+        agree([layout(), layout(digest="other"), layout()])
+    assert e.value.ranks == (1,)
+    with pytest.raises(ShardedPushError, match=r"different versions \['3', '4'\]") as e:
+        agree([layout(version="3"), layout(version="4")])
+    assert e.value.ranks == (0, 1)
+    with pytest.raises(ShardedPushError, match="rank 2: parameter 'w' contains NaN") as e:
+        agree([layout(), layout(), layout(bad="parameter 'w' contains NaN or inf")])
+    assert e.value.ranks == (2,)

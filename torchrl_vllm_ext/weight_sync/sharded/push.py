@@ -197,7 +197,7 @@ class ShardedWeightSync:
         rv.post(
             "layout", {"version": given, "digest": digest, "bad": bad, "module": module is not None}
         )
-        given = _agree(rv.gather("layout", self.deadline.fixed_s))
+        given = agree(rv.gather("layout", self.deadline.fixed_s))
         return parts, module, given, state
 
     def _plan(self, parts, module, given: str | None) -> dict:
@@ -360,7 +360,7 @@ def _sharded_state(weights) -> tuple[nn.Module | None, dict[str, torch.Tensor]]:
     )
 
 
-def _agree(layouts: list[dict]) -> str | None:
+def agree(layouts: list[dict]) -> str | None:
     """The checks of step 1, the same on every rank: one layout, one version, all finite;
     the version given (None: rank 0 picks it)."""
     digest = layouts[0]["digest"]
