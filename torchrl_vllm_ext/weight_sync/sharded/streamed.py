@@ -61,7 +61,8 @@ def gathered(
 
     for indices in buckets:
         nbytes = sum(_nbytes(specs[i][1], specs[i][2]) for i in indices)
-        bucket = torch.empty(nbytes, dtype=torch.uint8) if keep else None
+        device = state[specs[indices[0]][0]].device  # a GPU trainer's buckets stay on its GPU
+        bucket = torch.empty(nbytes, dtype=torch.uint8, device=device) if keep else None
         offset = 0
         for i in indices:
             name, _, _ = specs[i]
