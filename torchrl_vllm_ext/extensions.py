@@ -11,7 +11,7 @@ A replica hosts two extensions, both named by dotted path in
   ``VLLMReplica.extension_call``: work that must not hold up the engine's steps, such as
   checksumming a storage slot before the pause (:class:`ActorMethods`).
 
-Every argument and result is plain data (str, int, float, bool). A transport names the
+Every argument and result is plain data (str, bytes, int, float, bool). A transport names the
 methods it calls from here; ``tests/unit/test_protocol.py`` checks that each one exists
 with these parameters.
 """
@@ -74,6 +74,10 @@ class WorkerMethods:
     say how (the load plan's replay, its trace, the loader, or vLLM's layerwise reload)."""
     APPLY_STAGED = "apply_staged_weights"
     """(version: str) -> the same report; the staged transports' pause call."""
+    ADD_LORA_TENSORS = "add_lora_from_tensors"
+    """(lora_id: int, name: str, header_json: str, data: bytes) -> True; builds a LoRA
+    adapter from its tensors (``engine.adapters.AdapterTensors``: no file) and registers
+    it, pinned, with the worker's LoRA manager (the replica's ``add_lora_tensors``)."""
 
 
 class ActorMethods:

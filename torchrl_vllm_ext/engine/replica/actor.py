@@ -27,8 +27,9 @@ from torchrl_vllm_ext._compat import (
     vllm_validation_errors,
 )
 from torchrl_vllm_ext.batches import PromptBatch, RequestBatch
-from torchrl_vllm_ext.engine.adapters import Adapter, stage_files
+from torchrl_vllm_ext.engine.adapters import Adapter, AdapterTensors, stage_files
 from torchrl_vllm_ext.engine.outputs import pack_outputs, prompt_logprobs_of
+from torchrl_vllm_ext.engine.replica.adapter_use import AdapterUse
 from torchrl_vllm_ext.engine.replica.engine import Engine
 from torchrl_vllm_ext.engine.replica.kv_size import KvSizeLog
 from torchrl_vllm_ext.engine.replica.stderr_tail import (
@@ -128,6 +129,7 @@ class VLLMReplica(TorchRLActorCalls):
         )
         self._extension = load_class(spec.actor_extension)() if spec.actor_extension else None
         self._shipped: Path | None = None  # adapters shipped to this node (stage_files)
+        self._memory_adapters = AdapterUse()  # adapters from memory, and their batches
         self._tmp: Path | None = None  # this process's TMPDIR (vLLM's rendezvous, sockets)
         # The KV-cache size the starting engine logs (read by kv_cache_size from another
         # thread).
@@ -243,6 +245,12 @@ class VLLMReplica(TorchRLActorCalls):
         :class:`GenerationTimeoutError` is raised.
         """
         engine = self._require_engine()
+        memory_adapter = adapter.lora_id if adapter is not None and adapter.in_memory else None
+        if memory_adapter is not None and not self._memory_adapters.holds(memory_adapter):
+            raise InvalidRequestError(
+                f"replica {self.replica_id} does not hold LoRA adapter {adapter.name!r} (id "
+                f"{adapter.lora_id}): it was removed; name a live adapter (list_loras())."
+            )
         prompts = requests.token_lists()
         request_ids = requests.request_ids()
         if isinstance(sampling_params, list | tuple):
@@ -257,6 +265,8 @@ class VLLMReplica(TorchRLActorCalls):
         salt = f"e{self._cache_epoch}"
         inputs = [{"prompt_token_ids": p, "cache_salt": salt} for p in prompts]
         lora = lora_request(adapter.name, adapter.lora_id, adapter.path) if adapter else None
+        if memory_adapter is not None:
+            self._memory_adapters.enter(memory_adapter)
         task = asyncio.create_task(engine.generate(inputs, params, request_ids, lora))
         try:
             done = await asyncio.wait_for(task, timeout)
@@ -279,6 +289,8 @@ class VLLMReplica(TorchRLActorCalls):
         finally:
             self._outstanding -= len(prompts)
             self._inflight.difference_update(request_ids)
+            if memory_adapter is not None:
+                self._memory_adapters.leave(memory_adapter)
             switched = self._take_switches(request_ids) if self._end_version_from else None
         return pack_outputs(done, self.replica_id, version_start, self._version, switched)
 
@@ -316,7 +328,27 @@ class VLLMReplica(TorchRLActorCalls):
             ) from e
         return adapter.path
 
+    async def add_lora_tensors(self, adapter: Adapter, tensors: AdapterTensors) -> int:
+        """Load a LoRA adapter from its tensors (no file: every worker builds it from the
+        buffer, :data:`WorkerMethods.ADD_LORA_TENSORS`) so requests can name it; returns
+        its bytes."""
+        try:
+            await self.collective_rpc(
+                WorkerMethods.ADD_LORA_TENSORS,
+                (adapter.lora_id, adapter.name, tensors.header_json, tensors.data),
+            )
+        except WeightSyncError as e:
+            raise InvalidRequestError(
+                f"replica {self.replica_id}: vLLM could not load LoRA adapter {adapter.name!r} "
+                f"from memory: {root_cause(e)}; check its rank (<= max_lora_rank) and target "
+                "modules, and that the service was launched with enable_lora=True."
+            ) from e
+        self._memory_adapters.hold(adapter.lora_id)
+        return len(tensors.data)
+
     async def remove_lora(self, lora_id: int) -> bool:
+        """Unload adapter ``lora_id``; one from memory once the batches using it ended."""
+        await self._memory_adapters.release(lora_id)
         removed = await self._require_engine().remove_lora(lora_id)
         if self._shipped is not None:
             shutil.rmtree(self._shipped / str(lora_id), ignore_errors=True)
