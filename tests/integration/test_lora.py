@@ -3,6 +3,8 @@ the PEFT model's log-probs (transformers, fp32); bad adapters are refused cleanl
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -176,3 +178,80 @@ def test_adapter_pushes_serve_each_version_and_keep_the_last_k(lora_service, tin
             sync.push(other_rank, 7)
         assert lora_service.list_loras() == before and sync.current == "policy@4"
     assert not any(n.startswith("policy@") for n in lora_service.list_loras())
+
+
+def _our_files(pids: set[int]) -> set[str]:
+    """Every path in the directories of ours (``leftovers.PREFIX``) under shared memory and
+    the temporary directory that the processes ``pids`` own."""
+    import tempfile
+    from pathlib import Path
+
+    from torchrl_vllm_ext import leftovers
+
+    found = set()
+    for base in {leftovers.shm_base(), Path(tempfile.gettempdir())}:
+        for entry in base.glob(leftovers.PREFIX + "*"):
+            owner = leftovers.read_owner(entry)
+            if owner is not None and owner.pid in pids:
+                found |= {str(entry), *(str(p) for p in entry.rglob("*"))}
+    return found
+
+
+_WRITES: list[str] | None = None
+"""Paths this process opens for writing while a test records them (None: not recording)."""
+
+
+def _record_writes(event: str, args: tuple) -> None:
+    if _WRITES is None or event != "open":
+        return
+    path, mode, flags = args
+    writing = (
+        any(c in mode for c in "wax+")
+        if isinstance(mode, str)
+        else bool((flags or 0) & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+    )
+    if writing:
+        _WRITES.append(str(path))
+
+
+def test_an_adapter_push_writes_no_file_and_serves_peft_log_probs(
+    lora_service, tiny_model, tmp_path
+):
+    import sys
+
+    import ray
+
+    from torchrl_vllm_ext.weight_sync.adapters import AdapterSync
+
+    global _WRITES
+    trainer = make_adapter(tiny_model, tmp_path / "init", seed=41)
+    pids = {os.getpid()} | {int(v.process.rsplit(":", 1)[-1]) for v in lora_service.pool.ready()}
+    before = _our_files(pids)
+    sys.addaudithook(_record_writes)  # NOTE: hooks stay for the process; it reads _WRITES
+    with AdapterSync(lora_service, "memory", keep=1) as sync:
+        _WRITES = []
+        try:
+            for version in (1, 2):
+                perturb_adapter(trainer, seed=200 + version)
+                report = sync.push(trainer, version)
+                expected = hf_token_logprobs(trainer, SEQUENCE)
+                for _ in range(2):  # the router spreads calls: both replicas answer
+                    got = scored(lora_service, sync.current)
+                    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+            writes, _WRITES = _WRITES, None
+        finally:
+            _WRITES = None
+        assert writes == [], f"the push wrote {writes[:5]}"
+        assert _our_files(pids) == before, "a replica or the driver wrote adapter files"
+        assert "write" not in report.phases and report.retired == ["1"]
+        # Every replica's workers hold the adapter (vLLM lists it) and a replica added
+        # later gets it from Ray's object store before it takes traffic.
+        lora_id = lora_service.list_loras()[sync.current]
+        for view in lora_service.pool.ready():
+            assert lora_id in ray.get(view.handle.list_loras.remote())
+        (rid,) = lora_service.add_replicas(1)
+        try:
+            assert lora_id in ray.get(lora_service.replica_handle(rid).list_loras.remote())
+        finally:
+            lora_service.remove_replicas(1)
+    assert not any(n.startswith("memory@") for n in lora_service.list_loras())

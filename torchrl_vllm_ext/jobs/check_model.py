@@ -39,7 +39,6 @@ import json
 import logging
 import math
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -393,10 +392,9 @@ def _lora_gap(service, model_dir: Path, judge: Judge):
                 param.copy_(torch.randn(param.shape, generator=g) * 0.05)
     adapter.eval()
     ids = probe_ids(model_dir)
-    with tempfile.TemporaryDirectory(prefix="check-model-lora-") as root:
-        with AdapterSync(service, "check", keep=1, storage_dir=root) as sync:
-            sync.push(adapter, 1)
-            got = _scored(service, ids, lora=sync.current)
+    with AdapterSync(service, "check", keep=1) as sync:
+        sync.push(adapter, 1)
+        got = _scored(service, ids, lora=sync.current)
     return judge(adapter, ids, got)
 
 

@@ -5,15 +5,18 @@ RL with LoRA trains a small adapter over a frozen base: a push is the adapter's 
 
 1. validate: the adapter's tensors (PEFT names), rank and target modules must match the
    first push (the replicas' LoRA slots are sized once) and every value must be finite;
-   otherwise :class:`~torchrl_vllm_ext.errors.WeightSyncError`, and nothing was written;
-2. write ``adapter_model.safetensors`` + ``adapter_config.json`` in a private directory
-   (tmpfs when there is one) and publish it by an atomic rename;
-3. ``service.add_lora(f"{name}@{version}", dir)`` on every replica (no pause: running
-   requests keep the version they started with), and label the replicas' weight
-   version ``version`` (what samples carry as ``("vllm", "weight_version")``);
+   otherwise :class:`~torchrl_vllm_ext.errors.WeightSyncError`, and nothing was sent;
+2. make room: every live version stays pinned in each replica's LoRA cache (vLLM's
+   ``max_cpu_loras``, ``max_loras`` when unset); when the new version would not fit, the
+   oldest versions this push would retire anyway are retired first;
+3. ``service.add_lora_tensors(f"{name}@{version}", tensors, config)``: the tensors go
+   once into Ray's object store and every replica's workers build the adapter from them
+   (no file is written, on any node; no pause: running requests keep the version they
+   started with), and label the replicas' weight version ``version`` (what samples carry
+   as ``("vllm", "weight_version")``);
 4. keep the last ``keep`` versions live (K = the collector's staleness bound + 1) and
-   retire older ones from the replicas and the disk, in the background (awaited at
-   the next push, so a failure surfaces).
+   retire older ones from the replicas in the background (awaited at the next push, so
+   a failure surfaces; a replica unloads a version once its batches using it ended).
 
 ``current`` is the newest version's adapter name: ``VLLMPolicy(service, lora=sync)``
 samples with it.
@@ -22,20 +25,15 @@ samples with it.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
-import os
-import shutil
-import tempfile
 import time
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from torchrl_vllm_ext import leftovers
-from torchrl_vllm_ext._files import fsync_path
+from torchrl_vllm_ext.engine.adapters import adapter_capacity
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.sources import adapter_source
 from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes
@@ -55,8 +53,9 @@ class AdapterReport:
     retired: list[str]
     """Versions taken off the replicas by this push."""
     phases: dict[str, float]
-    """Seconds per step: ``validate``, ``write`` (+ publish), ``load`` (every replica's
-    ``add_lora``), ``retire``."""
+    """Seconds per step: ``validate``, ``make_room`` (versions retired before the load,
+    when the replicas' LoRA cache is full), ``load`` (the tensors into Ray's object
+    store and every replica's workers), ``retire`` (scheduling the background retirement)."""
     pause_s: dict[int, float] = field(default_factory=dict)
     """Generation pauses per replica: none (vLLM loads an adapter while serving); the
     field mirrors ``SyncReport``."""
@@ -151,13 +150,11 @@ class AdapterSync:
     Args:
         service: the :class:`~torchrl_vllm_ext.VLLMService`.
         name: adapter name prefix; version ``v`` is served as ``f"{name}@{v}"``.
-        keep: versions kept live (the staleness bound + 1).
-        storage_dir: where versions are written (default: a private tmpfs directory,
-            removed on :meth:`close`; in a given directory, close removes only the
-            version directories this sync wrote).
-        shared: ``storage_dir`` is on a file system every node sees, so replicas on other
-            nodes read it there; otherwise they get each version's files through Ray's
-            object store.
+        keep: versions kept live (the staleness bound + 1); at most the replicas' LoRA
+            cache (``max_cpu_loras``, or ``max_loras`` when unset).
+        storage_dir: deprecated and ignored: pushes write no file.
+        shared: deprecated and ignored: replicas on every node get the tensors through
+            Ray's object store.
     """
 
     transport = "adapter"
@@ -174,21 +171,27 @@ class AdapterSync:
     ):
         if keep < 1:
             raise WeightSyncError(f"keep={keep} must be >= 1 (the newest version is live).")
-        self.service, self.name, self.keep, self.shared = service, name, keep, shared
-        leftovers.reap()  # directories of syncs that were killed
-        if storage_dir is None:
-            self.root = leftovers.owned_dir("torchrl-vllm-adapters-")
-            # Garbage collection or interpreter exit without close(): still removed.
-            self._cleanup = leftovers.remove_at_exit(self, self.root)
-        else:
-            self.root = Path(storage_dir)
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._cleanup = None
+        capacity = adapter_capacity(service.config.engine_kwargs)
+        if keep > capacity:
+            raise WeightSyncError(
+                f"keep={keep} adapter versions do not fit the replicas' LoRA cache of "
+                f"{capacity} (max_cpu_loras, or max_loras when unset): launch the service "
+                f"with max_cpu_loras>={keep + 1} (a push then never retires early), or "
+                f"keep<={capacity}."
+            )
+        if storage_dir is not None or shared:
+            warnings.warn(
+                "AdapterSync(storage_dir=..., shared=...) is ignored: adapter pushes write "
+                "no file and reach replicas on every node through Ray's object store; drop "
+                "both arguments.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        self.service, self.name, self.keep, self.capacity = service, name, keep, capacity
         self._live: deque[str] = deque()  # versions, oldest first
         self._spec: dict | None = None
         self._names: dict | None = None
         self._retiring = None  # the last push's retirement (a future on the service loop)
-        self._written: set[str] = set()  # versions whose directory this sync wrote
         self.version: str | None = None
         self.torchrl = TorchRLPushes(self.push, lambda: self.service.weight_version)
         """Pushes from TorchRL's collectors (``WeightSyncUpdater``), versioned in one place."""
@@ -206,27 +209,18 @@ class AdapterSync:
         return list(self._live)
 
     def push(self, adapter, version) -> AdapterReport:
-        """Validate, write, publish and load ``adapter`` as ``version``; see the module doc."""
+        """Validate, make room, load ``adapter`` as ``version`` on every replica, retire;
+        see the module doc."""
         start = time.perf_counter()
         version = str(version)
         if version in self._live:
             raise WeightSyncError(f"adapter version {version!r} is already live; push a new one.")
         self._wait_retired()
-        adapter = adapter_source(adapter)
-        tensors, config = adapter_tensors(adapter, self._names)
-        if self._names is None:
-            self._names = saved_names(adapter, tensors)
-        tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
-        max_rank = self.service.config.engine_kwargs.get("max_lora_rank", 16)
-        spec = check_adapter(tensors, config, self._spec, max_rank)
+        tensors, config, spec = self._validated(adapter)
         marks = [time.perf_counter()]
-        path = self._write(tensors, config, version)
+        early = self._make_room()
         marks.append(time.perf_counter())
-        try:
-            self.service.add_lora(self.lora_name(version), path, shared=self.shared)
-        except BaseException:
-            shutil.rmtree(path, ignore_errors=True)
-            raise
+        self.service.add_lora_tensors(self.lora_name(version), tensors, config)
         # The replicas' weight version is the policy's: samples carry it as
         # ("vllm", "weight_version"), which staleness filters and the collector read.
         self.service.set_weight_version(version)
@@ -242,45 +236,47 @@ class AdapterSync:
         marks.append(time.perf_counter())
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         steps = [marks[0] - start] + [b - a for a, b in itertools.pairwise(marks)]
-        phases = dict(zip(("validate", "write", "load", "retire"), steps, strict=True))
+        phases = dict(zip(("validate", "make_room", "load", "retire"), steps, strict=True))
         report = AdapterReport(
-            version, self.current, nbytes, time.perf_counter() - start, retired, phases
+            version, self.current, nbytes, time.perf_counter() - start, early + retired, phases
         )
         logger.debug(
             "pushed adapter %s: %.1f MB in %.3fs", self.current, nbytes / 1e6, report.seconds
         )
         return report
 
+    def _validated(self, adapter) -> tuple[dict[str, torch.Tensor], dict, dict]:
+        """``(tensors on the CPU, config, spec)`` of a push, or the typed error."""
+        adapter = adapter_source(adapter)
+        tensors, config = adapter_tensors(adapter, self._names)
+        if self._names is None:
+            self._names = saved_names(adapter, tensors)
+        tensors = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+        max_rank = self.service.config.engine_kwargs.get("max_lora_rank", 16)
+        return tensors, config, check_adapter(tensors, config, self._spec, max_rank)
+
+    def _make_room(self) -> list[str]:
+        """Retire the oldest live versions now when the new one would not fit the replicas'
+        LoRA cache beside them (each would be retired by this push anyway; a push that
+        then fails leaves them retired)."""
+        early = []
+        while self._live and len(self._live) + 1 > self.capacity:
+            early.append(self._live.popleft())
+        if early:
+            self.service.run(self._retire(early))
+        return early
+
     async def _retire(self, versions: list[str]) -> None:
         for version in versions:
             await self.service.aremove_lora(self.lora_name(version))
-            shutil.rmtree(self.root / version, ignore_errors=True)
 
     def _wait_retired(self) -> None:
         if self._retiring is not None:
             future, self._retiring = self._retiring, None
             future.result()
 
-    def _write(self, tensors: dict[str, torch.Tensor], config: dict, version: str) -> str:
-        from safetensors.torch import save_file
-
-        staging = Path(tempfile.mkdtemp(prefix=f".{version}-", dir=self.root))
-        try:
-            save_file(tensors, str(staging / "adapter_model.safetensors"))
-            (staging / "adapter_config.json").write_text(json.dumps(config, default=_jsonable))
-            for f in staging.iterdir():
-                fsync_path(f)
-        except BaseException:  # a full disk, an interrupt: no half-written staging left
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        final = self.root / version
-        self._written.add(version)
-        os.replace(staging, final)  # published: a replica never sees half an adapter
-        fsync_path(self.root)
-        return str(final)
-
     def close(self) -> None:
-        """Retire every live version and remove the storage directory."""
+        """Retire every live version."""
         try:
             self._wait_retired()
         except Exception:
@@ -291,26 +287,12 @@ class AdapterSync:
             except Exception:  # the service may already be gone
                 logger.debug("could not unload %s", self.lora_name(version), exc_info=True)
         self._live.clear()
-        if self._cleanup is not None:  # our own directory
-            self._cleanup()
-        else:  # the user's: only the versions written here (retired ones are gone already)
-            for version in self._written:
-                shutil.rmtree(self.root / version, ignore_errors=True)
-        self._written.clear()
 
     def __enter__(self) -> AdapterSync:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _jsonable(value):
-    if isinstance(value, set):
-        return sorted(value)
-    if hasattr(value, "value"):  # enums (PEFT's task type)
-        return value.value
-    return str(value)
 
 
 __all__ = ["AdapterReport", "AdapterSync", "adapter_tensors", "check_adapter"]
