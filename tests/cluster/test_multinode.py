@@ -72,30 +72,46 @@ def test_pack_fills_one_node_and_strict_spread_refuses_more_replicas_than_nodes(
         assert len(placed) == 1 and placed <= set(WORKERS), placed
 
 
+def _adapter_gaps(service, peft_model, lora: str) -> dict[int, float]:
+    """Each replica's largest log-prob gap to the PEFT model with adapter ``lora``."""
+    expected = hf_token_logprobs(peft_model, SEQUENCE)
+    data = service.generate_request_data(
+        [SEQUENCE] * 2, {"max_tokens": 1, "prompt_logprobs": 0}, routing="round_robin", lora=lora
+    )
+    assert {d.replica_id for d in data} == set(service.replica_ids)
+    return {
+        d.replica_id: (torch.tensor(d.prompt_logprobs[1:]) - expected).abs().max().item()
+        for d in data
+    }
+
+
+def test_adapter_pushes_reach_replicas_on_other_nodes_from_memory(
+    spread_service, tiny_model, tmp_path
+):
+    """An adapter push writes no file on any node: each replica reads the tensors from
+    Ray's object store and serves the adapter with the PEFT model's log-probs."""
+    peft_model = make_adapter(tiny_model, tmp_path / "unused", seed=4)
+    with AdapterSync(spread_service, "nodes", keep=1) as sync:
+        report = sync.push(peft_model, "a1")
+        assert shipped_copies(spread_service.list_loras()[sync.current]) == []
+        gaps = _adapter_gaps(spread_service, peft_model, sync.current)
+        assert max(gaps.values()) < 1e-4, f"adapter log-probs off by {gaps}"
+    logger.info("adapter push to 2 nodes: %.3fs (%s)", report.seconds, report.phases)
+
+
 def test_adapter_files_reach_replicas_on_other_nodes(spread_service, tiny_model, tmp_path):
     """The driver's adapter directory is not read on other nodes: each replica gets the
     files through Ray's object store, writes them to a directory of its own and serves
     the adapter with the PEFT model's log-probs."""
-    peft_model = make_adapter(tiny_model, tmp_path / "unused", seed=4)
-    sync = AdapterSync(spread_service, "nodes", keep=1)
-    report = sync.push(peft_model, "a1")
-    shipped = shipped_copies(spread_service.list_loras()[sync.current])
+    peft_model = make_adapter(tiny_model, tmp_path / "a2", seed=5)
+    lora_id = spread_service.add_lora("files", tmp_path / "a2")
+    shipped = shipped_copies(lora_id)
     assert len(shipped) == 2, f"one private copy per replica node, found {shipped}"
     assert all((Path(d) / "adapter_model.safetensors").is_file() for d in shipped)
-    expected = hf_token_logprobs(peft_model, SEQUENCE)
-    data = spread_service.generate_request_data(
-        [SEQUENCE] * 2,
-        {"max_tokens": 1, "prompt_logprobs": 0},
-        routing="round_robin",
-        lora=sync.current,
-    )
-    assert {d.replica_id for d in data} == set(spread_service.replica_ids)
-    for d in data:
-        gap = (torch.tensor(d.prompt_logprobs[1:]) - expected).abs().max().item()
-        assert gap < 1e-4, f"replica {d.replica_id}: adapter log-probs off by {gap:.2e}"
-    logger.info("adapter push to 2 nodes: %.3fs (%s)", report.seconds, report.phases)
-    sync.close()
-    assert not shipped_copies(Path(shipped[0]).name), "retired: the replicas' copies are gone"
+    gaps = _adapter_gaps(spread_service, peft_model, "files")
+    assert max(gaps.values()) < 1e-4, f"adapter log-probs off by {gaps}"
+    spread_service.remove_lora("files")
+    assert not shipped_copies(lora_id), "removed: the replicas' copies are gone"
 
 
 def test_auto_broadcasts_to_replicas_on_other_nodes_exactly(spread_service, trainer):
