@@ -151,16 +151,20 @@ def test_a_push_during_a_death_completes_on_the_others_and_the_restart_gets_it(
 
 
 def test_a_lora_add_during_a_death_reaches_the_restarted_replica(
-    quiet_service, tiny_model, tmp_path
+    quiet_service, tiny_model, trainer, tmp_path
 ):
     svc = quiet_service
     make_adapter(tiny_model, tmp_path / "a", seed=1)
-    rid, pid = kill(svc)
-    lora_id = outcome(lambda: svc.add_lora("a", tmp_path / "a"))
-    if isinstance(lora_id, Exception):
-        lora_id = svc.add_lora("a", tmp_path / "a")  # on the survivor, now noticed dead
-    wait_restarted(svc, rid, pid)
-    loaded = svc.run(svc.pool.call_all("list_loras"))
-    assert all(lora_id in ids for ids in loaded.results.values()), loaded
-    assert set(loaded.results) == set(svc.replica_ids)
-    svc.remove_lora("a")
+    # The last test pushed and closed its scheme: a restart now would be held out of
+    # traffic (it could not be brought to the live weights). A scheme open, as in use.
+    with WeightSyncScheme(svc, transport="storage") as scheme:
+        scheme.push(trainer, version=4)
+        rid, pid = kill(svc)
+        lora_id = outcome(lambda: svc.add_lora("a", tmp_path / "a"))
+        if isinstance(lora_id, Exception):
+            lora_id = svc.add_lora("a", tmp_path / "a")  # on the survivor, now noticed dead
+        wait_restarted(svc, rid, pid)
+        loaded = svc.run(svc.pool.call_all("list_loras"))
+        assert all(lora_id in ids for ids in loaded.results.values()), loaded
+        assert set(loaded.results) == set(svc.replica_ids)
+        svc.remove_lora("a")
