@@ -13,6 +13,7 @@ resident memory each rank gained during its push (``RssAnon`` sampled every 0.5 
 :func:`torchrl_vllm_ext.testing.sharded.peak_anon_bytes`; an upper bound, since memory
 malloc keeps after a free counts until reused) beside the model's and a shard's bytes.
 The baseline's peak is what the 1-process push allocates beyond the model it already holds.
+Broadcast buckets: ``--bucket-mb`` (32), the same for both systems.
 
     python benchmarks/bench_sharded.py [--worlds 2 4] [--repeats 3]
 
@@ -57,7 +58,7 @@ def follower(rank: int, world: int, port: int, model_dir: str, repeats: int, res
         dist.destroy_process_group()
 
 
-def rounds(svc, model_dir: str, world: int, full, repeats: int, results) -> dict:
+def rounds(svc, model_dir: str, world: int, full, repeats: int, results, bucket_bytes: int) -> dict:
     """Rank 0's side of one world size: per transport, sharded and baseline pushes."""
     from torchrl_vllm_ext import ShardedWeightSync, WeightSyncScheme
     from torchrl_vllm_ext.testing.sharded import load, peak_anon_bytes, shard
@@ -66,7 +67,7 @@ def rounds(svc, model_dir: str, world: int, full, repeats: int, results) -> dict
     out = {}
     for transport in TRANSPORTS:
         runs: dict[str, list] = {"sharded": [], "baseline": []}
-        with WeightSyncScheme(svc, transport=transport) as scheme:
+        with WeightSyncScheme(svc, transport=transport, bucket_bytes=bucket_bytes) as scheme:
             with ShardedWeightSync(scheme) as sync:
                 checked = sync.push(sharded, version=f"{transport}-{world}-warm")  # value check
                 scheme.push(full, version=f"{transport}-{world}-warm-base")
@@ -119,7 +120,13 @@ def main(args) -> dict:
     model_dir = str(make_tiny_model(hidden_size=args.hidden, num_layers=args.layers, seed=0))
     full = load(model_dir)
     nbytes = sum(p.numel() * p.element_size() for p in full.parameters())
-    out = {"benchmark": "sharded_push", "model_mb": round(nbytes / 1e6, 1), "worlds": {}}
+    bucket_bytes = args.bucket_mb << 20
+    out = {
+        "benchmark": "sharded_push",
+        "model_mb": round(nbytes / 1e6, 1),
+        "bucket_mb": args.bucket_mb,
+        "worlds": {},
+    }
     ctx = multiprocessing.get_context("spawn")
     with VLLMService.launch(
         model_dir,
@@ -145,7 +152,7 @@ def main(args) -> dict:
             try:
                 out["worlds"][world] = {
                     "shard_mb": round(nbytes / world / 1e6, 1),
-                    **rounds(svc, model_dir, world, full, args.repeats, results),
+                    **rounds(svc, model_dir, world, full, args.repeats, results, bucket_bytes),
                 }
             finally:
                 for p in procs:
@@ -163,6 +170,7 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=640)
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--bucket-mb", type=int, default=32, help="the broadcast's buckets")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print(json.dumps(main(args)))
