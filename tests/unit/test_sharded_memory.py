@@ -118,7 +118,33 @@ def gather_check(rank: int, state) -> dict:
             waiting = bucket  # noqa: F841 - held while the next is gathered
 
     _, peak = peak_anon_bytes(stream)
-    return {"peak": peak, "equal": all(equal), "buckets": len(buckets)}
+    return {
+        "peak": peak,
+        "equal": all(equal),
+        "buckets": len(buckets),
+        "two_d_equal": two_d_mesh_gather(rank),
+    }
+
+
+def two_d_mesh_gather(rank: int) -> bool:
+    """A 2-D mesh ((2, 1): Shard(0) then Replicate) is not one gather's layout: each
+    parameter is gathered by full_tensor, and the buckets are the same."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from torchrl_vllm_ext.weight_sync.sharded.streamed import bucket_plan, gathered
+    from torchrl_vllm_ext.weight_sync.transports.packing import pack
+
+    mesh = init_device_mesh("cpu", (2, 1))
+    full = dict(list(model().state_dict().items())[-4:])  # two layers, the uneven one
+    state = {n: distribute_tensor(t, mesh, [Shard(0), Replicate()]) for n, t in full.items()}
+    specs = [[n, list(t.shape), "float32"] for n, t in full.items()]
+    buckets = bucket_plan(specs, BUCKET_BYTES)
+    got = list(gathered(state, specs, buckets, keep=rank == 0))
+    if rank != 0:
+        return True
+    expected = pack(full, "1", BUCKET_BYTES).buffers
+    return all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
 
 
 def rendezvous_check(rank: int) -> dict:
@@ -177,6 +203,7 @@ def test_each_rank_writes_its_blocks_and_no_more(ranks):
 
 def test_the_streamed_gather_holds_about_two_buckets(ranks):
     assert ranks[0]["gather"]["equal"] and ranks[0]["gather"]["buckets"] > 4
+    assert ranks[0]["gather"]["two_d_equal"]
     for rank, out in ranks.items():
         # seen: 8-17 MB (rank 0), 12-25 MB (rank 1: gloo's threads' malloc arenas) of 67
         assert out["gather"]["peak"] < full_bytes() * 0.6, (rank, out["gather"]["peak"])

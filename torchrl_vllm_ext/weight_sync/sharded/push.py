@@ -281,7 +281,7 @@ class ShardedWeightSync:
                 rv.post("result", base64.b64encode(pickle.dumps(report)).decode())
         elif self.route == "broadcast":
             try:  # the gathers rank 0 sends from, in lockstep
-                for _ in gathered(state, plan["specs"], plan["buckets"], keep=False):
+                for _ in gathered(state, plan["specs"], plan["buckets"], False, self.group):
                     pass
             except Exception as e:  # rank 0's push fails too: its gathers stop
                 logger.error("rank %d: the streamed gather failed: %s", self.rank, e)
@@ -323,7 +323,11 @@ class ShardedWeightSync:
             scheme.apush_prepared(version, plan["nbytes"], stream, expected, reference_s)
         )
         try:
-            hand_off(gathered(state, plan["specs"], plan["buckets"], keep=True), handoff, push.done)
+            hand_off(
+                gathered(state, plan["specs"], plan["buckets"], True, self.group),
+                handoff,
+                push.done,
+            )
         except Exception as e:
             logger.error("rank 0: the streamed gather failed: %s", e)
         return push.result()

@@ -1,8 +1,9 @@
 """A sharded push's broadcast step: a streamed gather, bucket by bucket, every rank in
 lockstep; rank 0 hands each bucket to the broadcast transport as it completes.
 
-The gathers run on the trainer's own communicator (each DTensor's mesh: ``full_tensor``),
-in the ranks' main threads; the send runs on the broadcast group's (rank 0 and the
+The gathers run on the trainer's own communicator (the DTensors' mesh: one ``gather`` to
+rank 0 per bucket for FSDP2's 1-D mesh, else ``full_tensor`` per parameter), in the ranks'
+main threads; the send runs on the broadcast group's (rank 0 and the
 replicas' workers), in the transport's sending thread. The two never share a
 communicator, and a queue of one bucket between them bounds rank 0's memory to its
 shards, the bucket being sent and the one being gathered (the other ranks hold one
@@ -11,6 +12,7 @@ parameter gathered at a time).
 
 from __future__ import annotations
 
+import math
 import queue
 from collections.abc import Iterator
 
@@ -18,6 +20,7 @@ import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.params import torch_dtype
+from torchrl_vllm_ext.weight_sync.sharded.layout import block, describe, region_of
 from torchrl_vllm_ext.weight_sync.specs import BucketSpec, TensorSpec, UpdateHeader
 from torchrl_vllm_ext.weight_sync.transports.packing import bucket_groups
 
@@ -52,28 +55,119 @@ def _nbytes(shape, dtype: str) -> int:
 
 
 def gathered(
-    state: dict[str, torch.Tensor], specs: list[list], buckets: list[list[int]], keep: bool
+    state: dict[str, torch.Tensor],
+    specs: list[list],
+    buckets: list[list[int]],
+    keep: bool,
+    group=None,
 ) -> Iterator[torch.Tensor | None]:
-    """Each bucket gathered from every rank's shards (a collective per parameter, in the
-    same order on every rank); ``keep``: this rank packs and yields the bucket (rank 0),
-    else it takes part in the gathers and yields None."""
+    """Each bucket gathered from every rank's shards, in the same order on every rank;
+    ``keep``: this rank (rank 0 of ``group``, the push's) packs and yields the bucket,
+    else it takes part in the gathers and yields None.
+
+    A bucket whose DTensors all lie on one 1-D mesh over ``group`` (FSDP2's) is one
+    ``gather`` to rank 0: each rank sends its blocks end to end and rank 0 places them
+    (:func:`.layout.region_of`); any other layout, one ``full_tensor()`` per parameter.
+    """
+    for indices in buckets:
+        names = [specs[i][0] for i in indices]
+        device = state[names[0]].device  # a GPU trainer's buckets stay on its GPU
+        mesh_group = _one_mesh_group(state, names, group)
+        if mesh_group is not None:
+            yield _gather_bucket(state, [specs[i] for i in indices], mesh_group, keep, device)
+        else:
+            yield _full_tensors(state, [specs[i] for i in indices], keep, device)
+
+
+def _one_mesh_group(state, names: list[str], group):
+    """The process group of the one 1-D mesh, over ``group``'s ranks in order, that every
+    DTensor of ``names`` lies on, placed by Shard / Replicate; None otherwise."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    meshes = {t.device_mesh for n in names if isinstance(t := state[n], DTensor)}
+    if len(meshes) != 1:
+        return None
+    mesh = meshes.pop()
+    placed = all(
+        type(p) in (Shard, Replicate)
+        for n in names
+        if isinstance(state[n], DTensor)
+        for p in state[n].placements
+    )
+    if mesh.ndim != 1 or not placed:
+        return None
+    mesh_group = mesh.get_group(0)
+    push_ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+    return mesh_group if dist.get_process_group_ranks(mesh_group) == push_ranks else None
+
+
+def _gather_bucket(state, specs: list[list], group, keep: bool, device) -> torch.Tensor | None:
+    """One bucket in one gather to rank 0 (see :func:`gathered`)."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    for indices in buckets:
-        nbytes = sum(_nbytes(specs[i][1], specs[i][2]) for i in indices)
-        device = state[specs[indices[0]][0]].device  # a GPU trainer's buckets stay on its GPU
-        bucket = torch.empty(nbytes, dtype=torch.uint8, device=device) if keep else None
-        offset = 0
-        for i in indices:
-            name, _, _ = specs[i]
-            tensor = state[name]
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            size = full.numel() * full.element_size()
-            if keep:
-                bucket[offset : offset + size].copy_(full.detach().reshape(-1).view(torch.uint8))
-            offset += size
-            del full
-        yield bucket
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    sent = []  # (spec index, rank, region, bytes): each block, in the order its rank sends
+    for k, (name, shape, dtype) in enumerate(specs):
+        tensor = state[name]
+        if not isinstance(tensor, DTensor):
+            continue  # replicated everywhere: rank 0's own
+        placements = tuple(describe(name, p) for p in tensor.placements)
+        for r in range(world):
+            region, writes = region_of(tuple(shape), placements, (world,), (r,))
+            nbytes = math.prod(n for _, n in region) * torch_dtype(dtype).itemsize
+            if writes and nbytes:
+                sent.append((k, r, region, nbytes))
+    width = max((sum(b[3] for b in sent if b[1] == r) for r in range(world)), default=0)
+    payload = torch.empty(width, dtype=torch.uint8, device=device)
+    offset = 0
+    for k, r, _, nbytes in sent:
+        if r == me:
+            local = state[specs[k][0]].to_local().contiguous()
+            payload[offset : offset + nbytes].copy_(local.view(-1).view(torch.uint8))
+            offset += nbytes
+    received = [torch.empty_like(payload) for _ in range(world)] if keep else None
+    dist.gather(payload, gather_list=received, dst=dist.get_global_rank(group, 0), group=group)
+    if not keep:
+        return None
+    bucket, views = _bucket_views(specs, device)
+    for (name, _, _), view in zip(specs, views, strict=True):
+        if not isinstance(state[name], DTensor):
+            view.copy_(state[name].detach())
+    offsets = [0] * world
+    for k, r, region, nbytes in sent:
+        lengths = tuple(n for _, n in region)
+        piece = received[r][offsets[r] : offsets[r] + nbytes].view(views[k].dtype).view(lengths)
+        block(views[k], region).copy_(piece)
+        offsets[r] += nbytes
+    return bucket
+
+
+def _full_tensors(state, specs: list[list], keep: bool, device) -> torch.Tensor | None:
+    """One bucket, one ``full_tensor()`` (an all-gather) per parameter."""
+    from torch.distributed.tensor import DTensor
+
+    bucket, views = _bucket_views(specs, device) if keep else (None, None)
+    for k, (name, _, _) in enumerate(specs):
+        tensor = state[name]
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if keep:
+            views[k].copy_(full.detach())
+        del full
+    return bucket
+
+
+def _bucket_views(specs: list[list], device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A new bucket for ``specs`` and each tensor's view into it (packing's layout)."""
+    nbytes = sum(_nbytes(shape, dtype) for _, shape, dtype in specs)
+    bucket = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    views, offset = [], 0
+    for _, shape, dtype in specs:
+        size = _nbytes(shape, dtype)
+        views.append(bucket[offset : offset + size].view(torch_dtype(dtype)).view(tuple(shape)))
+        offset += size
+    return bucket, views
 
 
 def hand_off(buckets: Iterator[torch.Tensor | None], into: queue.Queue, ended) -> None:
