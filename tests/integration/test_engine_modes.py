@@ -1,5 +1,9 @@
 """The two replica engines agree: vLLM's ``LLMEngine`` in the actor (CPU default) and
-``AsyncLLM`` with its engine-core process (``engine_process=True``, GPU default)."""
+``AsyncLLM`` with its engine-core process (``engine_process=True``, GPU default).
+
+One ``AsyncLLM`` replica serves the module's tests (a launch is ~20 s on 2 cores); the
+last test shuts it down and checks what its shutdown removes.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import stat
 
 import numpy as np
 import psutil
+import pytest
 
 from torchrl_vllm_ext import VLLMService, WeightSyncScheme, leftovers
 
@@ -24,15 +29,18 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 PARAMS = {"max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 0, "prompt_logprobs": 0}
 
 
-def launch_with_engine_process(model) -> VLLMService:
+@pytest.fixture(scope="module")
+def engine_process_service(tiny_model, ray_cluster):
     """One replica whose ``AsyncLLM`` runs its engine core in a process of its own."""
-    return VLLMService.launch(
-        model,
+    svc = VLLMService.launch(
+        tiny_model,
         num_replicas=1,
         cpus_per_replica=CPUS_PER_REPLICA,
         engine_process=True,
         **ENGINE_KWARGS,
     )
+    yield svc
+    svc.shutdown()  # idempotent: the last test shut it down already
 
 
 def engine_children(svc) -> list[str]:
@@ -47,23 +55,14 @@ def engine_children(svc) -> list[str]:
 
 
 def test_async_engine_replica_gives_the_in_process_replicas_tokens_and_logprobs(
-    service, tiny_model
+    service, engine_process_service
 ):
     in_process = service.generate_request_data(PROMPTS, PARAMS)
     assert engine_children(service) == [], "CPU replicas run their engine in the actor"
 
-    with launch_with_engine_process(tiny_model) as svc:
-        assert len(engine_children(svc)) == 1, "AsyncLLM runs an engine-core process"
-        separate = svc.generate_request_data(PROMPTS, PARAMS)
-        # The client's ZMQ sockets and the engine core's rendezvous file live in the
-        # replica's own temporary directory, not in the machine's (a killed replica's
-        # directory is reaped by the next start)...
-        temp_dir = svc.replica_info(svc.replica_ids[0]).temp_dir
-        made = [n for n in os.listdir(temp_dir) if n != leftovers.OWNER_FILE]
-        assert any(n.startswith("vllm_dist_") for n in made), made
-        assert any(stat.S_ISSOCK(os.stat(os.path.join(temp_dir, n)).st_mode) for n in made)
-    # ... which its shutdown removes.
-    assert not os.path.exists(temp_dir)
+    svc = engine_process_service
+    assert len(engine_children(svc)) == 1, "AsyncLLM runs an engine-core process"
+    separate = svc.generate_request_data(PROMPTS, PARAMS)
 
     # Same tokens; log-probs within the suite's exactness bound (fp32: the two engines
     # run different OpenMP thread counts, so reductions differ in order: 1.2e-5 seen).
@@ -75,21 +74,39 @@ def test_async_engine_replica_gives_the_in_process_replicas_tokens_and_logprobs(
         assert a.samples[0].finish_reason == b.samples[0].finish_reason
 
 
-def test_async_engine_replica_pauses_and_loads_in_one_call_and_stays_exact(tiny_model):
+def test_async_engine_replica_pauses_and_loads_in_one_call_and_stays_exact(
+    engine_process_service, tiny_model
+):
     """``AsyncLLM``'s pause and the workers' load go to the engine core back to back (one
     round trip), then the label and the resume: while a batch generates, pushes traced and
     then replayed from the load plan land exactly, with ``abort`` and ``keep`` pauses."""
+    svc = engine_process_service
     trainer = load_trainer(tiny_model)
-    with launch_with_engine_process(tiny_model) as svc:
-        paths = []
-        for seed, pause_mode in enumerate(("abort", "abort", "keep"), start=1):
-            with WeightSyncScheme(svc, transport="storage", pause_mode=pause_mode) as scheme:
-                perturb(trainer, seed=seed)
-                running = svc.submit(
-                    svc.agenerate_request_data(PROMPTS, {"max_tokens": 64, "ignore_eos": True})
-                )
-                report = scheme.push(trainer, version=f"{pause_mode}-{seed}")
-                running.result(timeout=120)
-                paths.append(report.loads[0][0]["path"])
-            assert_replicas_match(svc, trainer, f"{pause_mode}-{seed}")
-        assert paths == ["trace", "replay", "replay"]
+    paths = []
+    for seed, pause_mode in enumerate(("abort", "abort", "keep"), start=1):
+        with WeightSyncScheme(svc, transport="storage", pause_mode=pause_mode) as scheme:
+            perturb(trainer, seed=seed)
+            running = svc.submit(
+                svc.agenerate_request_data(PROMPTS, {"max_tokens": 64, "ignore_eos": True})
+            )
+            report = scheme.push(trainer, version=f"{pause_mode}-{seed}")
+            running.result(timeout=120)
+            paths.append(report.loads[0][0]["path"])
+        assert_replicas_match(svc, trainer, f"{pause_mode}-{seed}")
+    assert paths == ["trace", "replay", "replay"]
+
+
+def test_async_engine_replica_keeps_its_sockets_in_its_temp_dir_and_shutdown_removes_it(
+    engine_process_service,
+):
+    """The client's ZMQ sockets and the engine core's rendezvous file live in the replica's
+    own temporary directory, not in the machine's (a killed replica's directory is reaped
+    by the next start), which its shutdown removes. Last in the module: it shuts the
+    module's service down."""
+    svc = engine_process_service
+    temp_dir = svc.replica_info(svc.replica_ids[0]).temp_dir
+    made = [n for n in os.listdir(temp_dir) if n != leftovers.OWNER_FILE]
+    assert any(n.startswith("vllm_dist_") for n in made), made
+    assert any(stat.S_ISSOCK(os.stat(os.path.join(temp_dir, n)).st_mode) for n in made)
+    svc.shutdown()
+    assert not os.path.exists(temp_dir)
