@@ -76,12 +76,19 @@ def test_demo_trains_and_writes_its_outputs(tmp_path):
     )
 
 
-def test_grpo_notebook_reward_rises(tmp_path):
-    summary = run_notebook("grpo.ipynb", tmp_path, timeout=600, GRPO_STEPS="40", GRPO_REPLICAS="1")
-    assert summary["steps"] == 40
-    assert summary["reward_start"] < 0.3 and summary["reward_end"] > summary["reward_start"] + 0.3
+# The default run takes every cell through a few steps; the 40 steps that show the reward
+# rise are slow (test_demo_trains_and_writes_its_outputs proves a GRPO run's rise by default).
+@pytest.mark.parametrize("steps", [8, pytest.param(40, marks=pytest.mark.slow)])
+def test_grpo_notebook_runs_and_its_reward_rises(tmp_path, steps):
+    summary = run_notebook(
+        "grpo.ipynb", tmp_path, timeout=600, GRPO_STEPS=str(steps), GRPO_REPLICAS="1"
+    )
+    assert summary["steps"] == steps
     assert summary["max_abs_kl_to_engine"] < 1e-4
     assert summary["kl_to_ref_end"] > 0  # the reference service kept the initial weights
+    if steps >= 40:
+        assert summary["reward_start"] < 0.3
+        assert summary["reward_end"] > summary["reward_start"] + 0.3
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
