@@ -1,5 +1,5 @@
 """Shared engines: starting vLLM costs ~20 s per replica, so the tests of this directory
-share one service (2 replicas). Helpers live in ``tests/helpers.py``."""
+share one service (2 replicas), and one bfloat16 replica. Helpers live in ``tests/helpers.py``."""
 
 from __future__ import annotations
 
@@ -17,5 +17,14 @@ def ray_cluster():
 @pytest.fixture(scope="package")
 def service(tiny_model, ray_cluster):
     svc = launch(tiny_model, health_check_interval=2.0)
+    yield svc
+    svc.shutdown()
+
+
+@pytest.fixture(scope="package")
+def bf16_service(tiny_model, ray_cluster):
+    """One replica serving bfloat16, for the modules that check a 16-bit path (a module
+    that pushes into it pushes the checkpoint back as "0" at its end)."""
+    svc = launch(tiny_model, num_replicas=1, dtype="bfloat16", health_check_interval=0)
     yield svc
     svc.shutdown()

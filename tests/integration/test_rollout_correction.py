@@ -34,13 +34,6 @@ def actor(hf_model, tokenizer):
     )
 
 
-@pytest.fixture(scope="module")
-def bf16_service(tiny_model, ray_cluster):
-    svc = launch(tiny_model, num_replicas=1, dtype="bfloat16", health_check_interval=0)
-    yield svc
-    svc.shutdown()
-
-
 def sampled_batch(service, tokenizer) -> TensorDict:
     """One padded batch sampled by ``service`` (temperature 1, seeded), with advantages."""
     policy = VLLMPolicy(

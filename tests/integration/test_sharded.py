@@ -148,3 +148,17 @@ def test_a_rank_killed_mid_write_leaves_the_replicas_on_the_last_version(
                 assert procs[0].exitcode == 3  # it died where the test made it
                 assert_replicas_match(service, load(tiny_model, 21), version)
         assert not root.exists()  # the slots went with the scheme
+
+
+def test_a_bf16_replica_takes_a_sharded_push_by_the_value_check(bf16_service, tiny_model):
+    """16-bit replicas: the collective forward's reference in float32 and under autocast
+    (the push's rounding noise) decides, as for a 1-process push."""
+    with sharded_world(tiny_model, [{"seed": 31}]) as (results, _):
+        with WeightSyncScheme(bf16_service, transport="storage", verify="always") as scheme:
+            with ShardedWeightSync(scheme, deadline=DEADLINE) as sync:
+                report = sync.push(shard(load(tiny_model, 31)), version="31")
+                assert results.get(timeout=RESULT_WAIT_S)[:2] == ("ok", "31")
+                assert report.probe_noise > 0 and report.probe_gap  # checked in bfloat16
+                assert max(report.probe_gap.values()) <= report.probe_limit
+                assert_replicas_match(bf16_service, load(tiny_model, 31), "31", dtype="bfloat16")
+                scheme.push(load(tiny_model), version="0")  # the checkpoint back, for others
