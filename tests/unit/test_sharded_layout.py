@@ -122,3 +122,38 @@ def test_the_ranks_agree_on_one_layout_one_version_and_finite_shards():
     with pytest.raises(ShardedPushError, match="rank 2: parameter 'w' contains NaN") as e:
         agree([layout(), layout(), layout(bad="parameter 'w' contains NaN or inf")])
     assert e.value.ranks == (2,)
+
+
+def test_the_handoff_keeps_two_buckets_alive_and_drops_the_rest_once_the_push_ended():
+    import threading
+
+    from torchrl_vllm_ext.weight_sync.sharded.streamed import Handoff
+
+    alive, most = [0], [0]
+    lock = threading.Lock()
+
+    def buckets(n):
+        for i in range(n):
+            with lock:
+                alive[0] += 1
+                most[0] = max(most[0], alive[0])
+            yield torch.full((4,), i)
+
+    handoff = Handoff()
+    sent = []
+
+    def send():
+        for bucket in handoff.taken():
+            sent.append(int(bucket[0]))
+            with lock:
+                alive[0] -= 1
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    handoff.feed(buckets(6), ended=lambda: False)
+    sender.join(timeout=10)
+    assert sent == list(range(6)) and most[0] <= 2
+
+    gathered = []  # a push that ended: the gathers go on (lockstep), nothing is queued
+    Handoff().feed((gathered.append(i) for i in range(3)), ended=lambda: True)
+    assert gathered == [0, 1, 2]

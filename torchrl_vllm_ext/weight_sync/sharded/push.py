@@ -32,7 +32,6 @@ import json
 import logging
 import math
 import pickle
-import queue
 import time
 
 import torch
@@ -48,11 +47,10 @@ from torchrl_vllm_ext.weight_sync.sharded.rendezvous import Rendezvous
 from torchrl_vllm_ext.weight_sync.sharded.routes import pushed_names, sharded_route
 from torchrl_vllm_ext.weight_sync.sharded.storage import SlotBlocks
 from torchrl_vllm_ext.weight_sync.sharded.streamed import (
+    Handoff,
     bucket_plan,
     gathered,
-    hand_off,
     header_of,
-    taken,
 )
 from torchrl_vllm_ext.weight_sync.sources import unwrap
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest, TensorSpec
@@ -314,20 +312,17 @@ class ShardedWeightSync:
                 scheme.apush_prepared(version, plan["nbytes"], prepare, expected, reference_s)
             )
         header = header_of(plan["specs"], plan["buckets"], version)
-        handoff: queue.Queue = queue.Queue(maxsize=1)
+        handoff = Handoff()
 
         def stream(ready):
-            return transport.prepare_streamed(header, taken(handoff), ready)
+            return transport.prepare_streamed(header, handoff.taken(), ready)
 
         push = scheme.service.submit(
             scheme.apush_prepared(version, plan["nbytes"], stream, expected, reference_s)
         )
         try:
-            hand_off(
-                gathered(state, plan["specs"], plan["buckets"], True, self.group),
-                handoff,
-                push.done,
-            )
+            buckets = gathered(state, plan["specs"], plan["buckets"], True, self.group)
+            handoff.feed(buckets, push.done)
         except Exception as e:
             logger.error("rank 0: the streamed gather failed: %s", e)
         return push.result()

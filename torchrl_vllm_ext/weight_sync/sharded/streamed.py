@@ -6,14 +6,15 @@ rank 0 per bucket for FSDP2's 1-D mesh, else ``full_tensor`` per parameter), in 
 main threads; the send runs on the broadcast group's (rank 0 and the
 replicas' workers), in the transport's sending thread. The two never share a
 communicator, and a queue of one bucket between them bounds rank 0's memory to its
-shards, the bucket being sent and the one being gathered (the other ranks hold one
-parameter gathered at a time).
+shards, the bucket being sent and the one being gathered (:class:`Handoff`), and the
+gather's receive buffers; the other ranks hold what they send.
 """
 
 from __future__ import annotations
 
 import math
 import queue
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -170,39 +171,51 @@ def _bucket_views(specs: list[list], device) -> tuple[torch.Tensor, list[torch.T
     return bucket, views
 
 
-def hand_off(buckets: Iterator[torch.Tensor | None], into: queue.Queue, ended) -> None:
-    """Rank 0: put each bucket into ``into`` for the sending thread, then None (or the
-    error that stopped the gather, which fails the send). Once the push has ``ended()``
-    (failed before taking every bucket) the rest are gathered still, in lockstep with the
-    other ranks, and dropped."""
-    try:
-        for bucket in buckets:
-            _put(into, bucket, ended)
-    except BaseException as e:
-        _put(into, e, ended)
-        raise
-    _put(into, None, ended)
+class Handoff:
+    """Rank 0's buckets between its gather (the main thread) and the sending thread: at
+    most ``in_flight`` alive at once, one being sent and one being gathered; a bucket's
+    room is given back once the sender asks for the next one (it sent this one)."""
 
+    def __init__(self, in_flight: int = 2):
+        self._queue: queue.Queue = queue.Queue()
+        self._room = threading.Semaphore(in_flight)
 
-def _put(into: queue.Queue, item, ended) -> None:
-    while not ended():
+    def feed(self, buckets: Iterator[torch.Tensor | None], ended) -> None:
+        """Put each bucket for the sender, then None (or the error that stopped the
+        gather, which fails the send). Once the push has ``ended()`` (failed before
+        taking every bucket) the rest are gathered still, in lockstep with the other
+        ranks, and dropped."""
+        it = iter(buckets)
         try:
-            into.put(item, timeout=HANDOFF_POLL_S)
-            return
-        except queue.Full:
-            continue
+            while self._room_or_ended(ended):
+                bucket = next(it, None)
+                self._queue.put(bucket)
+                if bucket is None:
+                    return
+            for _ in it:
+                pass
+        except BaseException as e:
+            self._queue.put(e)
+            raise
 
+    def _room_or_ended(self, ended) -> bool:
+        while not ended():
+            if self._room.acquire(timeout=HANDOFF_POLL_S):
+                return True
+        return False
 
-def taken(source: queue.Queue) -> Iterator[torch.Tensor]:
-    """The sending thread's side: the buckets as they come, until None; an error put in
-    their place is raised (the send fails, naming it)."""
-    while True:
-        item = source.get()
-        if item is None:
-            return
-        if isinstance(item, BaseException):
-            raise WeightSyncError(
-                f"the trainer's ranks stopped gathering the buckets ({type(item).__name__}: "
-                f"{item}); nothing was loaded."
-            ) from item
-        yield item
+    def taken(self) -> Iterator[torch.Tensor]:
+        """The sending thread's side: the buckets as they come, until None; an error put
+        in their place is raised (the send fails, naming it)."""
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise WeightSyncError(
+                    f"the trainer's ranks stopped gathering the buckets "
+                    f"({type(item).__name__}: {item}); nothing was loaded."
+                ) from item
+            yield item
+            del item
+            self._room.release()

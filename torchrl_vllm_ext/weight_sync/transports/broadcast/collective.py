@@ -116,6 +116,7 @@ class BroadcastGroup:
     def send(self, buffers: list[torch.Tensor]) -> None:
         for buf in buffers:
             self._pg.broadcast(buf.to(self._device(buf)), 0).wait()
+            del buf  # a streamed bucket is freed before the next one is asked for
 
     def _device(self, buf: torch.Tensor) -> torch.device:
         """Where rank 0 sends from: gloo from the host; NCCL from the GPU the buckets were

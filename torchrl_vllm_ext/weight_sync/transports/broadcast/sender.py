@@ -50,6 +50,7 @@ def _with_checksums(buckets: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
     for bucket in buckets:
         sums.append(device_checksums([bucket])[0])
         yield bucket
+        del bucket  # sent: freed before the next one is asked for
     yield torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64)
 
 
