@@ -75,7 +75,7 @@ class WorkerMethods:
     APPLY_STAGED = "apply_staged_weights"
     """(version: str) -> the same report; the staged transports' pause call."""
     ADD_LORA_TENSORS = "add_lora_from_tensors"
-    """(lora_id: int, name: str, header_json: str, data: bytes) -> True; builds a LoRA
+    """(lora_id: int, name: str, header_json: str, data: bytes-like) -> True; builds a LoRA
     adapter from its tensors (``engine.adapters.AdapterTensors``: no file) and registers
     it, pinned, with the worker's LoRA manager (the replica's ``add_lora_tensors``)."""
 

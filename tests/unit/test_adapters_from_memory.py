@@ -74,7 +74,8 @@ def test_a_buffer_missing_bytes_is_refused_naming_the_tensor():
 
 def test_an_empty_adapter_packs_to_an_empty_buffer():
     packed = pack_adapter({}, {"r": 1})
-    assert packed.data == b"" and unpack_adapter(packed.header_json, packed.data) == ({}, {"r": 1})
+    assert packed.data.nbytes == 0
+    assert unpack_adapter(packed.header_json, packed.data) == ({}, {"r": 1})
 
 
 def test_adapter_capacity_is_vllms_cpu_cache():

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from torchrl_vllm_ext.errors import ConfigurationError, InvalidRequestError
@@ -63,9 +64,9 @@ class AdapterTensors:
     header_json: str
     """``{"config": PEFT's LoraConfig as a dict, "tensors": [[name, dtype, shape,
     offset, nbytes], ...]}``."""
-    data: bytes | bytearray
-    """Every tensor's bytes, each at its offset (a bytearray as packed; vLLM's RPC to a
-    worker in another process delivers bytes)."""
+    data: np.ndarray
+    """Every tensor's bytes, each at its offset (uint8; a replica reads it from Ray's
+    object store without a copy, and hands its workers a memoryview of it)."""
 
 
 def check_adapter_dir(path: str | Path) -> str:
@@ -176,24 +177,22 @@ def pack_adapter(tensors: dict[str, torch.Tensor], config: dict) -> AdapterTenso
             [name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, part.numel()]
         )
         offset += -(-part.numel() // _ALIGN) * _ALIGN
-    # NOTE: a bytearray, filled through a tensor over it: bytes() of a tensor's buffer would
-    # copy it once more (~3x the time of the fill for a 17 MB adapter).
-    data = bytearray(offset)
+    # NOTE: a numpy array: Ray's object store takes it in one copy and a replica reads it
+    # without one (bytes or a bytearray are copied into and out of a pickle).
+    data = np.empty(offset, dtype=np.uint8)
     if flat:
-        buffer = torch.frombuffer(data, dtype=torch.uint8)
+        buffer = torch.from_numpy(data)
         torch._foreach_copy_([buffer[s[3] : s[3] + s[4]] for s in specs], flat)
     header = json.dumps({"config": config, "tensors": specs}, default=jsonable)
     return AdapterTensors(header, data)
 
 
-def unpack_adapter(
-    header_json: str, data: bytes | bytearray
-) -> tuple[dict[str, torch.Tensor], dict]:
-    """``(tensors, config)`` of :func:`pack_adapter`'s output: views of ``data`` when it is
-    a bytearray (writable: vLLM may scale them in place), else of a writable copy; a
+def unpack_adapter(header_json: str, data) -> tuple[dict[str, torch.Tensor], dict]:
+    """``(tensors, config)`` of :func:`pack_adapter`'s output: views of one writable copy of
+    ``data`` (any bytes-like buffer; vLLM may scale the tensors in place); a
     :class:`ValueError` naming the tensor that ``data`` does not hold."""
     header = json.loads(header_json)
-    data = data if isinstance(data, bytearray) else bytearray(data)
+    data = bytearray(data)
     buffer = (
         torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     )

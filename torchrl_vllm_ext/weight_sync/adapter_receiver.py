@@ -27,7 +27,9 @@ class AdapterReceiver:
     def __init__(self, worker):
         self._worker = worker
 
-    def add_lora_from_tensors(self, lora_id: int, name: str, header_json: str, data: bytes) -> bool:
+    def add_lora_from_tensors(
+        self, lora_id: int, name: str, header_json: str, data: bytes | memoryview
+    ) -> bool:
         """Build adapter ``lora_id`` (``name``) from its tensors and register it; True."""
         tensors, config = unpack_adapter(header_json, data)
         register_lora_from_tensors(self._worker, lora_id, tensors, config)

@@ -76,9 +76,10 @@ def adapter_tensors(adapter, names: dict | None = None) -> tuple[dict[str, torch
     name = getattr(adapter, "active_adapter", "default")
     config = adapter.peft_config[name].to_dict()
     if names is not None:
-        params = dict(adapter.named_parameters())
-        if all(p in params for p in names.values()):
-            return {saved: params[p] for saved, p in names.items()}, config
+        try:  # each by its path: a walk of every parameter costs ~3 ms per push
+            return {saved: adapter.get_parameter(p) for saved, p in names.items()}, config
+        except AttributeError:  # the model changed: PEFT's walk below
+            pass
     from peft import get_peft_model_state_dict
 
     return get_peft_model_state_dict(adapter, adapter_name=name), config

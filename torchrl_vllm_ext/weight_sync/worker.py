@@ -149,6 +149,8 @@ class WeightSyncWorkerExtension:
         return _of(self).plan.weight_sync_device()
 
     # LoRA adapters from memory
-    def add_lora_from_tensors(self, lora_id: int, name: str, header_json: str, data: bytes) -> bool:
+    def add_lora_from_tensors(
+        self, lora_id: int, name: str, header_json: str, data: bytes | memoryview
+    ) -> bool:
         """Build LoRA adapter ``lora_id`` from its tensors (no file) and register it; True."""
         return _of(self).adapters.add_lora_from_tensors(lora_id, name, header_json, data)

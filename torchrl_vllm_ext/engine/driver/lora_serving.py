@@ -67,7 +67,7 @@ class LoraServing:
         """Load an adapter from memory (PEFT's saved names -> CPU tensors, its
         ``LoraConfig`` as a dict) on every ready replica as ``name``, as :meth:`add`."""
         packed = await asyncio.to_thread(pack_adapter, tensors, config)
-        adapter, previous = self._adapters.add(name, None, nbytes=len(packed.data))
+        adapter, previous = self._adapters.add(name, None, nbytes=packed.data.nbytes)
         self._shipped[adapter.lora_id] = asyncio.ensure_future(_put(packed))
         return await self._add_everywhere(adapter, previous, adapter.nbytes)
 

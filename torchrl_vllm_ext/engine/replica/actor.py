@@ -335,7 +335,9 @@ class VLLMReplica(TorchRLActorCalls):
         try:
             await self.collective_rpc(
                 WorkerMethods.ADD_LORA_TENSORS,
-                (adapter.lora_id, adapter.name, tensors.header_json, tensors.data),
+                # a memoryview: no copy here (the workers copy it once; vLLM's RPC to an
+                # engine-core process sends it as bytes)
+                (adapter.lora_id, adapter.name, tensors.header_json, memoryview(tensors.data)),
             )
         except WeightSyncError as e:
             raise InvalidRequestError(
@@ -344,7 +346,7 @@ class VLLMReplica(TorchRLActorCalls):
                 "modules, and that the service was launched with enable_lora=True."
             ) from e
         self._memory_adapters.hold(adapter.lora_id)
-        return len(tensors.data)
+        return tensors.data.nbytes
 
     async def remove_lora(self, lora_id: int) -> bool:
         """Unload adapter ``lora_id``; one from memory once the batches using it ended."""
