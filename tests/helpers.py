@@ -505,7 +505,7 @@ adapter = make_adapter(model, os.path.join(out, "adapter"), seed=3)
 with AdapterSync(svc, "policy", keep=1) as sync:
     sync.push(adapter, 3)
     sync.push(adapter, 4)  # retires version 3
-    info["adapters"] = str(sync.root)
+    info["adapter_versions"] = sync.live_versions
 scheme.close()
 svc.shutdown()
 print(json.dumps(info), flush=True)
