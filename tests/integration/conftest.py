@@ -4,6 +4,7 @@ share one service (2 replicas), and one bfloat16 replica. Helpers live in ``test
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ..helpers import launch, local_ray
 
@@ -28,3 +29,17 @@ def bf16_service(tiny_model, ray_cluster):
     svc = launch(tiny_model, num_replicas=1, dtype="bfloat16", health_check_interval=0)
     yield svc
     svc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def restore_checkpoint(service, tiny_model):
+    """For a module that pushes into ``service``: later tests expect the checkpoint's
+    weights at version "0", pushed back at the module's end."""
+    yield
+    from transformers import AutoModelForCausalLM
+
+    from torchrl_vllm_ext import WeightSyncScheme
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with WeightSyncScheme(service, transport="storage") as scheme:
+        scheme.push(original, version="0")

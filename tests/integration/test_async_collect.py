@@ -15,7 +15,6 @@ import time
 import pytest
 import torch
 from tensordict import TensorDict, lazy_stack
-from transformers import AutoModelForCausalLM
 
 from torchrl_vllm_ext import AsyncCollection, TokenCopyEnv, VLLMPolicy, WeightSyncScheme
 from torchrl_vllm_ext.collectors import mask_stale_tokens, sample_versions
@@ -26,14 +25,7 @@ ENV_BATCH = 4
 STEPS = 3
 TRAIN_S = 0.4  # the deliberately slow training step
 
-
-@pytest.fixture(scope="module", autouse=True)
-def restore_checkpoint(service, tiny_model):
-    """Later tests expect the checkpoint's weights at version "0": push them back at the end."""
-    yield
-    original = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    with WeightSyncScheme(service, transport="storage") as scheme:
-        scheme.push(original, version="0")
+pytestmark = pytest.mark.usefixtures("restore_checkpoint")
 
 
 def perturb(model, seed: int) -> None:

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from torchrl_vllm_ext import TokenCopyEnv, VLLMPolicy, WeightSyncScheme, WeightSyncUpdater
 
@@ -19,15 +19,6 @@ from ..helpers import CPU_TRANSPORTS, grpo_backward
 
 ROUNDS = 3
 ENV_BATCH = 4
-
-
-@pytest.fixture(scope="module")
-def restore_checkpoint(service, tiny_model):
-    """Later tests expect the checkpoint's weights at version "0": push them back at the end."""
-    yield
-    original = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    with WeightSyncScheme(service, transport="storage") as scheme:
-        scheme.push(original, version="0")
 
 
 @pytest.fixture

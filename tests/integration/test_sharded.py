@@ -15,8 +15,6 @@ import time
 import warnings
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from torchrl_vllm_ext import (
     Deadline,
@@ -35,15 +33,6 @@ SEEDS = (11, 12)
 RESULT_WAIT_S = 120
 DEADLINE = Deadline(fixed_s=10.0)
 """Each step of a push waits this long for every rank (the tests' dead and absent ranks)."""
-
-
-@pytest.fixture(scope="module")
-def restore_checkpoint(service, tiny_model):
-    """Later tests expect the checkpoint's weights at version "0": push them back at the end."""
-    yield
-    original = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    with WeightSyncScheme(service, transport="storage") as scheme:
-        scheme.push(original, version="0")
 
 
 def model_bytes(model) -> int:
