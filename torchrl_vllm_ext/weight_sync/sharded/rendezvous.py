@@ -74,8 +74,10 @@ class Rendezvous:
     def _delete(self, key: str) -> None:
         try:
             self.store.delete_key(key)
-        except Exception:  # the store is gone with rank 0: nothing to clean
-            pass
+        except Exception as e:
+            # Only cleanup: the store went with rank 0's process and every key with it; a
+            # push that still needs the store raises at its next step (_leader_gone).
+            logger.debug("key %s not deleted: rank 0's store is gone (%s)", key, e)
 
     def post(self, step: str, value) -> None:
         """Post this rank's ``value`` (JSON) for ``step``."""
