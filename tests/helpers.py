@@ -112,6 +112,16 @@ def grpo_backward(model, tokenizer, data, pad_output: bool) -> None:
 SEQUENCE = list(range(5, 45))  # the fixed sequence the exactness checks score
 
 
+def rl_step(masters: dict[str, torch.Tensor], lr: float, seed: int, only=None) -> dict:
+    """fp32 masters after one Adam-like step at ``lr`` (Adam's first step moves every value
+    by ~lr: far below a bf16 ulp at RL learning rates); ``only``: the names that move."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        n: t + lr * torch.randn(t.shape, generator=g).sign() if only is None or n in only else t
+        for n, t in masters.items()
+    }
+
+
 def worker_calls(service, method: str, *args) -> dict[int, list]:
     """Call a worker-extension ``method`` on every replica's workers: {replica: [per worker]}."""
     import ray

@@ -52,6 +52,20 @@ class SyncReport:
     quantized / CPU-packed models; ``nbytes``, ``replayed_bytes``, ``why``:
     :class:`~torchrl_vllm_ext.weight_sync.loading.planned.LoadReport`)."""
 
+    sent_bytes: int = 0
+    """Bytes the transport moved: the full push's (cast to the served dtype with delta
+    pushes on), or a delta's changed values and positions (storage: bytes written into
+    the slot)."""
+    base: str | None = None
+    """The version a delta push changed, which every replica it reached held (storage:
+    the version the slot it wrote held); None: a full push."""
+
+    @property
+    def sent_share(self) -> float:
+        """``sent_bytes`` over ``nbytes`` (1.0: every byte as pushed; 0.5: a bf16 full push
+        of float32 weights)."""
+        return self.sent_bytes / self.nbytes if self.nbytes else 0.0
+
     @property
     def gb_per_s(self) -> float:
         return self.nbytes / self.seconds / 1e9

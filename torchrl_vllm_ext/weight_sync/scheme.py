@@ -77,6 +77,34 @@ def choose_transport(fleet, requested: str, shared_dir) -> tuple[str, str]:
     )
 
 
+DELTAS = ("auto", True, False)
+SIXTEEN_BIT = ("bfloat16", "float16")
+
+
+def delta_dtype(delta: bool | str, transport: str, served: str) -> str | None:
+    """The dtype a scheme's delta pushes compare in (the served one), or None: full pushes.
+
+    Examples:
+        >>> delta_dtype("auto", "broadcast", "bfloat16"), delta_dtype("auto", "storage", "float32")
+        ('bfloat16', None)
+    """
+    if delta not in DELTAS:
+        raise ConfigurationError(f"delta={delta!r} is not one of {DELTAS}.")
+    if delta is False:
+        return None
+    if transport not in registry.delta_names():
+        if delta is True:
+            raise ConfigurationError(
+                f"delta=True needs a transport that sends deltas {registry.delta_names()}; "
+                f"{transport!r} sends every byte. Pass one of those as transport=, or "
+                "delta='auto'."
+            )
+        return None
+    if delta == "auto" and served not in SIXTEEN_BIT:
+        return None  # float32 serving: a step changes nearly every value
+    return served
+
+
 class WeightSyncScheme:
     """Pushes trainer weights into every replica of a :class:`~torchrl_vllm_ext.VLLMService`.
 
@@ -115,6 +143,16 @@ class WeightSyncScheme:
             push, 1e-3 for replicas serving float32, and for 16-bit replicas 3 times the
             push's own rounding noise (the trainer scores the probe with the pushed weights
             in float32 and in the served dtype; ``SyncReport.probe_noise``), at least 1e-3.
+        delta: push only what changed (:mod:`~torchrl_vllm_ext.weight_sync.delta`):
+            ``"auto"`` (the default) for 16-bit replicas on ``storage`` and ``broadcast``;
+            ``True`` on those transports whatever the served dtype; ``False``: every push
+            sends every byte, as given. With deltas on, every push is cast to the served
+            dtype (what the replicas would round it to); a broadcast sends, where every
+            replica holds the last version, only the values whose bits changed and their
+            positions (a tensor mostly changed goes whole; a delta hardly smaller than the
+            push goes as a full push), and each worker checks the buckets it rebuilt against
+            the sender's checksums; the storage writer writes only the elements of the slot
+            that differ. ``SyncReport.sent_bytes`` says what moved.
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
@@ -136,6 +174,7 @@ class WeightSyncScheme:
         deadline: Deadline | None = None,
         verify: bool | str = "first",
         verify_tol: float | None = None,
+        delta: bool | str = "auto",
     ):
         if timeout_s is not None:  # one rule: a duration argument is `timeout`, in seconds
             warnings.warn(
@@ -158,10 +197,21 @@ class WeightSyncScheme:
         self.deadline = deadline
         self.service = service
         name, self._reason = choose_transport(self.fleet, transport, storage_dir)
+        try:
+            served = self.arrival.served_dtype_name(list(self.fleet.ready()))
+        except ConfigurationError:  # replicas of several dtypes: no one dtype to compare in
+            served = "mixed"
+        self.delta_dtype = delta_dtype(delta, name, served)
+        """The dtype delta pushes compare in (None: every push is sent whole)."""
         self.transport_impl = registry.make_transport(
             name,
             self.fleet,
-            TransportOptions(bucket_bytes=bucket_bytes, deadline=deadline, storage_dir=storage_dir),
+            TransportOptions(
+                bucket_bytes=bucket_bytes,
+                deadline=deadline,
+                storage_dir=storage_dir,
+                delta_dtype=self.delta_dtype,
+            ),
         )
         if rollout == "rolling" and not self.transport_impl.loads_one_at_a_time:
             self.transport_impl.close()  # nothing of a refused scheme stays
@@ -185,7 +235,12 @@ class WeightSyncScheme:
         engine calls), versioned in one place."""
         self.initialized_on_sender = False
         self.synchronized_on_sender = False
-        logger.info("weight sync transport: %s (%s)", name, self.reason)
+        logger.info(
+            "weight sync transport: %s (%s)%s",
+            name,
+            self.reason,
+            f"; delta pushes in {self.delta_dtype}" if self.delta_dtype else "",
+        )
 
     @property
     def transport(self) -> str:
@@ -345,6 +400,8 @@ class WeightSyncScheme:
             probe_limit=arrival.limit(expected) if expected is not None else None,
             probe_noise=expected.noise if expected is not None else None,
             loads=reports,
+            sent_bytes=nbytes if prepared.sent_bytes is None else prepared.sent_bytes,
+            base=prepared.base,
         )
 
     def _checkpoint_named(self, source: PushSource) -> dict[str, torch.Tensor]:

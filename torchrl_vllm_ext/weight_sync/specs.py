@@ -46,16 +46,35 @@ class BucketSpec:
 
 
 @dataclass(frozen=True)
+class BucketDelta:
+    """What of one bucket a delta update sends (:mod:`~torchrl_vllm_ext.weight_sync.delta`):
+    the values of the tensors sent whole, then those of the changed positions of the others;
+    the bucket's other bytes are the base version's."""
+
+    dense: tuple[tuple[int, int], ...]
+    """``(first element, elements)`` of each tensor sent whole, in bucket order."""
+    positions: int
+    """Changed elements sent one by one (after the dense values, their positions follow)."""
+    index_dtype: str = "int32"
+    """dtype of the positions (``int64`` for a bucket of 2**31 elements or more)."""
+
+
+@dataclass(frozen=True)
 class UpdateHeader:
     """The one control message of a broadcast update; buckets follow as collectives."""
 
     version: str
     """Weight version the update installs."""
     buckets: tuple[BucketSpec, ...]
-    """Bucket layout, in broadcast order."""
+    """Bucket layout, in broadcast order (their checksums: of the whole new bucket, a delta
+    update's too)."""
     checksums_follow: bool = False
     """The buckets' checksums are not known when the header is sent (a sharded trainer
     gathers bucket by bucket): one more broadcast after the buckets carries them, as int64."""
+    base: str = ""
+    """A delta update: the version whose buckets it changes ('' : a full update)."""
+    deltas: tuple[BucketDelta, ...] = ()
+    """A delta update: what each bucket sends (one payload per bucket that sends any)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +147,7 @@ def from_json(text: str | bytes, cls: type[T]) -> T:
 
 
 __all__ = [
+    "BucketDelta",
     "BucketSpec",
     "CudaIpcHandle",
     "IpcUpdate",

@@ -73,21 +73,24 @@ def bucket_groups(items: list[tuple[str, int]], bucket_bytes: int) -> list[list[
 
 
 def _groups(
-    tensors: dict[str, torch.Tensor], bucket_bytes: int
+    tensors: dict[str, torch.Tensor], bucket_bytes: int, dtype: torch.dtype | None = None
 ) -> list[list[tuple[str, torch.Tensor]]]:
-    """Same-dtype tensors in order, cut into groups of about ``bucket_bytes``."""
+    """Same-dtype tensors in order (as packed: ``dtype``, else their own), cut into groups
+    of about ``bucket_bytes``."""
     named = list(tensors.items())
-    items = [(dtype_name(t.dtype), t.numel() * t.element_size()) for _, t in named]
+    items = [
+        (dtype_name(dtype or t.dtype), t.numel() * (dtype or t.dtype).itemsize) for _, t in named
+    ]
     return [[named[i] for i in group] for group in bucket_groups(items, bucket_bytes)]
 
 
-def _fits(into: Packed, groups, device: torch.device) -> bool:
+def _fits(into: Packed, groups, device: torch.device, dtype: torch.dtype | None) -> bool:
     """Whether ``into``'s buckets hold exactly ``groups`` (names, dtypes, shapes, device)."""
     if len(into.header.buckets) != len(groups) or into.buffers[0].device != device:
         return False
     return all(
         bucket.tensors
-        == tuple(TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in group)
+        == tuple(TensorSpec(n, dtype_name(dtype or t.dtype), tuple(t.shape)) for n, t in group)
         for bucket, group in zip(into.header.buckets, groups, strict=True)
     )
 
@@ -97,9 +100,11 @@ def pack(
     version: str,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     into: Packed | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Packed:
     """Pack same-dtype tensors end to end into buckets of about ``bucket_bytes``, on the
     tensors' device. A tensor larger than ``bucket_bytes`` gets a bucket of its own.
+    ``dtype``: cast every tensor to it as it is packed (the served dtype of a delta push).
 
     ``into``: buckets of an earlier push to re-pack in place when they hold the same
     layout (one batched copy; the result shares ``into.buffers``), else new buffers. The
@@ -111,24 +116,28 @@ def pack(
         >>> b.buffers is a.buffers, b.tensors()["w"].tolist(), b.version
         (True, [2.0, 2.0], '2')
     """
-    groups = _groups(tensors, bucket_bytes)
+    groups = _groups(tensors, bucket_bytes, dtype)
     if not groups:
         return Packed(UpdateHeader(version=str(version), buckets=()), [])
     device = groups[0][0][1].device
-    if into is not None and into.buffers and _fits(into, groups, device):
+    if into is not None and into.buffers and _fits(into, groups, device, dtype):
         buffers = into.buffers
         dsts = [t for _, t in into.tensors().items()]
         torch._foreach_copy_(dsts, [t for group in groups for _, t in group])
     else:
         buffers = [
-            torch.cat([t.contiguous().view(-1).view(torch.uint8) for _, t in group])
+            torch.cat(
+                [t.to(dtype or t.dtype).contiguous().view(-1).view(torch.uint8) for _, t in group]
+            )
             for group in groups
         ]
     sums = device_checksums(buffers)
     specs = tuple(
         BucketSpec(
-            dtype=dtype_name(group[0][1].dtype),
-            tensors=tuple(TensorSpec(n, dtype_name(t.dtype), tuple(t.shape)) for n, t in group),
+            dtype=dtype_name(dtype or group[0][1].dtype),
+            tensors=tuple(
+                TensorSpec(n, dtype_name(dtype or t.dtype), tuple(t.shape)) for n, t in group
+            ),
             nbytes=buf.numel(),
             checksum=sum_,
         )
@@ -165,11 +174,13 @@ class PackSlots:
         version: str,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         committed: Packed | None = None,
+        dtype: torch.dtype | None = None,
     ) -> Packed:
-        """``tensors`` packed into a set that is not ``committed``'s (reused if it fits)."""
+        """``tensors`` packed (cast to ``dtype`` if given) into a set that is not
+        ``committed``'s (reused if it fits)."""
         live = [p for p in self._sets if committed is not None and p.buffers is committed.buffers]
         spare = next((p for p in self._sets if not any(p is q for q in live)), None)
-        packed = pack(tensors, version, bucket_bytes, into=spare)
+        packed = pack(tensors, version, bucket_bytes, into=spare, dtype=dtype)
         self._sets = [*live, packed]
         return packed
 

@@ -50,6 +50,9 @@ class TransportOptions:
     share makes ``auto`` route them through storage too."""
     backend: str | None = None
     """Broadcast's process group: ``nccl`` or ``gloo`` (None: NCCL on GPU replicas)."""
+    delta_dtype: str | None = None
+    """Delta pushes (:mod:`~torchrl_vllm_ext.weight_sync.delta`; storage and broadcast):
+    the served dtype every push is cast to and compared in; None: full pushes, as pushed."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,11 @@ class Prepared:
     where the transport stages nothing)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds of each of its phases (``write``, ``stage``, ``pack``, ``send``, ...)."""
+    sent_bytes: int | None = None
+    """Bytes it moved (a delta: the changed values and their positions; storage: the bytes
+    written into the slot); None: the full push, not counted apart."""
+    base: str | None = None
+    """The version a delta push changed (every replica reached held it); None: full."""
 
     def reached(self, replicas: Replicas) -> Replicas:
         """Those of ``replicas`` it reached, in their order."""
@@ -84,6 +92,8 @@ class Prepared:
         phases of the same name add up."""
         self.calls.update(other.calls)
         self.staged_in.update(other.staged_in)
+        if other.sent_bytes is not None:
+            self.sent_bytes = (self.sent_bytes or 0) + other.sent_bytes
         for name, seconds in other.phases.items():
             self.phases[name] = self.phases.get(name, 0.0) + seconds
 

@@ -46,6 +46,8 @@ class TransportInfo:
     """Whether CPU replicas can use it."""
     composite: bool = False
     """Whether it composes other transports (``auto``) rather than moving bytes itself."""
+    deltas: bool = False
+    """Whether it sends delta pushes (:mod:`~torchrl_vllm_ext.weight_sync.delta`)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ TRANSPORTS: dict[str, TransportInfo] = {
             f"{_PKG}.storage.receiver.StorageReceiver",
             actor=f"{_PKG}.storage.actor.StorageActor",
             routes=("storage",),
+            deltas=True,
         ),
         TransportInfo(
             "broadcast",
@@ -85,6 +88,7 @@ TRANSPORTS: dict[str, TransportInfo] = {
             f"{_PKG}.broadcast.sender.BroadcastTransport",
             f"{_PKG}.broadcast.receiver.BroadcastReceiver",
             routes=("nccl", "gloo"),
+            deltas=True,
         ),
         TransportInfo(
             "ipc",
@@ -123,6 +127,16 @@ def names(*, cpu: bool | None = None, composite: bool | None = None) -> tuple[st
         for t in TRANSPORTS.values()
         if (cpu is None or t.cpu == cpu) and (composite is None or t.composite == composite)
     )
+
+
+def delta_names() -> tuple[str, ...]:
+    """The transports that send delta pushes.
+
+    Examples:
+        >>> delta_names()
+        ('storage', 'broadcast')
+    """
+    return tuple(t.name for t in TRANSPORTS.values() if t.deltas)
 
 
 def info(name: str) -> TransportInfo:

@@ -1,6 +1,8 @@
 """The broadcast transport's receiver (vLLM worker side): join the trainer's process group,
 receive and verify the buckets (in a background thread before the pause, or at once for a
-restarted replica). Its sender: :mod:`.sender`."""
+restarted replica). The receive buffers are kept, holding the last version whole: a delta
+update (:mod:`...delta`) is written into them, then verified like a full one. Its sender:
+:mod:`.sender`."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import logging
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.weight_sync.delta import apply_bucket, payload_bytes
 from torchrl_vllm_ext.weight_sync.loading.loads import Loads
 from torchrl_vllm_ext.weight_sync.params import device_checksums
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json
@@ -38,6 +41,8 @@ class BroadcastReceiver:
         """Where buckets are received (the worker's GPU for NCCL, else the CPU)."""
         self.buffers: list[torch.Tensor] = []
         """Receive buffers kept from push to push (one per bucket)."""
+        self.held: str | None = None
+        """The version the buffers hold whole and verified (the base a delta changes)."""
 
     def init_weight_broadcast(
         self,
@@ -72,48 +77,94 @@ class BroadcastReceiver:
         return self.loads.stage(header.version, lambda: self._receive(header))
 
     def _receive(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:
+        """Every bucket of ``header``'s version, verified, as views of the receive buffers
+        (which then hold that version: the base of the next delta)."""
+        if header.base:
+            return self._receive_delta(header)
+        self.held = None  # the buffers are overwritten from here on
+        buffers = [
+            _buffer(self.buffers, i, b.nbytes, self.device) for i, b in enumerate(header.buckets)
+        ]
+        sums = self._collect(header, buffers)
+        self._verify(header, sums)
+        self.held = header.version
+        # Loaded in one reload: vLLM re-processes a layer once all its weights arrived.
+        return self._views(header)
+
+    def _receive_delta(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:
+        """A delta of the version these buffers hold: its payloads received, then written
+        into the buffers, which must then equal the new version's checksums."""
+        sizes = [payload_bytes(b, d) for b, d in zip(header.buckets, header.deltas, strict=True)]
+        payloads = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes if n]
+        self._collect(header, payloads)  # every payload is received before any check
+        layout = [b.nbytes for b in header.buckets]
+        if self.held != header.base or [b.numel() for b in self.buffers] != layout:
+            raise WeightSyncError(
+                f"a delta of version {header.base} to {header.version} reached a worker whose "
+                f"buffers hold {self.held or 'no whole version'}; nothing was loaded. Push "
+                "again: the next push sends every byte."
+            )
+        self.held = None
+        sent = iter(payloads)
+        for i, (bucket, delta) in enumerate(zip(header.buckets, header.deltas, strict=True)):
+            if sizes[i]:
+                apply_bucket(self.buffers[i], bucket, delta, next(sent))
+        self._verify(header, None)
+        self.held = header.version
+        return self._views(header)
+
+    def _collect(self, header: UpdateHeader, buffers: list[torch.Tensor]) -> torch.Tensor | None:
+        """Receive ``buffers`` in order (and the int64 checksums that follow them, if the
+        header says so); a cut-off broadcast ends the group and raises."""
         group = self.group
         if group is None:
             raise WeightSyncError(
                 "this worker is not in a broadcast group; call init_weight_broadcast first."
             )
-        received = []
         sums = None
-        for i, bucket in enumerate(header.buckets):
-            buf = _buffer(self.buffers, i, bucket.nbytes, self.device)
+        for i, buf in enumerate(buffers):
             try:
                 group[1].broadcast(buf, 0).wait()
-                if header.checksums_follow and i == len(header.buckets) - 1:
-                    sums = torch.empty(len(header.buckets), dtype=torch.int64, device=self.device)
+                if header.checksums_follow and i == len(buffers) - 1:
+                    sums = torch.empty(len(buffers), dtype=torch.int64, device=self.device)
                     group[1].broadcast(sums, 0).wait()
             except Exception as e:  # the trainer died or stalled past the group's timeout
                 # The group is unusable now; the next push forms a new one.
                 if self.group is group:
                     self.group = None
                     end_group(self.backend, group[1])
+                    self.buffers, self.held = [], None
                 error = WeightSyncError(
                     f"broadcast of weight version {header.version} was cut off after "
-                    f"{len(received)} of {len(header.buckets)} buckets ({type(e).__name__}: "
+                    f"{i} of {len(buffers)} buffers ({type(e).__name__}: "
                     f"{e}); nothing was loaded, this worker keeps serving its previous weights. "
                     "Push again: the next push forms a new group."
                 )
                 logger.error("%s", error)
                 raise error from e
-            received.append((bucket, buf))
-        # on the GPU for NCCL (no copy to the host), one sync for all buckets
-        got_sums = device_checksums([buf for _, buf in received])
+        return sums
+
+    def _verify(self, header: UpdateHeader, sums: torch.Tensor | None) -> None:
+        """Every bucket's bytes against the sender's checksums (``sums``: those that
+        followed the buckets), on the GPU for NCCL (no copy to the host), one sync."""
+        got_sums = device_checksums(self.buffers[: len(header.buckets)])
         if sums is None:
-            sent = [bucket.checksum for bucket, _ in received]
+            sent = [bucket.checksum for bucket in header.buckets]
         else:  # the sender's int64 words of the uint64 sums
             sent = [s % (1 << 64) for s in sums.tolist()]
         for i, (got, want) in enumerate(zip(got_sums, sent, strict=True)):
             if got != want:
                 raise WeightSyncError(
                     f"bucket {i} of version {header.version} arrived corrupted (checksum {got} != "
-                    f"{want}); nothing was loaded."
+                    f"{want}{', after its delta' if header.base else ''}); nothing was loaded."
                 )
-        # Loaded in one reload: vLLM re-processes a layer once all its weights arrived.
-        return [item for bucket, buf in received for item in unpack(bucket, buf)]
+
+    def _views(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:
+        return [
+            item
+            for bucket, buf in zip(header.buckets, self.buffers, strict=False)
+            for item in unpack(bucket, buf)
+        ]
 
     def close_weight_broadcast(self) -> bool:
         """Leave the group (an NCCL one aborted: a receive stuck on a dead member ends)
@@ -121,7 +172,7 @@ class BroadcastReceiver:
         group, self.group = self.group, None
         if group is not None:
             end_group(self.backend, group[1])
-        self.buffers = []
+        self.buffers, self.held = [], None
         return group is not None
 
 

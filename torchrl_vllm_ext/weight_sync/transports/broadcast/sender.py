@@ -2,8 +2,10 @@
 replica worker (NCCL on GPU, gloo on CPU; see :mod:`.collective`). Its receiver:
 :mod:`.receiver`.
 
-``prepare``: 1) pack same-dtype tensors into buckets; 2) form the group if its members
-changed; 3) one header per replica (``stage_weight_broadcast``): its workers receive and
+``prepare``: 1) pack same-dtype tensors into buckets (with delta pushes: cast to the
+served dtype, and where every replica's workers hold the committed version in their
+receive buffers, only what changed since it: :mod:`...delta`); 2) form the group if its
+members changed; 3) one header per replica (``stage_weight_broadcast``): its workers receive and
 verify the buckets in a background thread while still generating; 4) one collective per
 bucket while 5) every replica is polled until each of its workers has verified. In the
 pause the workers only load (``apply_staged_weights``). A collective cannot lose a
@@ -26,7 +28,8 @@ import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.extensions import WorkerMethods
-from torchrl_vllm_ext.weight_sync.params import device_checksums
+from torchrl_vllm_ext.weight_sync.delta import WORTH_SHARE, diff_bucket
+from torchrl_vllm_ext.weight_sync.params import device_checksums, torch_dtype
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, to_json
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup, listen
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
@@ -42,6 +45,10 @@ from torchrl_vllm_ext.weight_sync.transports.protocol import (
     raise_errors,
     settle,
 )
+
+
+def _key(replica) -> tuple[int, int]:
+    return replica.replica_id, replica.info.pid
 
 
 def _with_checksums(buckets: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -85,8 +92,12 @@ class BroadcastTransport(Transport):
         self.group: BroadcastGroup | None = None
         self._members: tuple = ()
         self._staged: Packed | None = None
-        self._committed: Packed | None = None  # for restarts
+        self._committed: Packed | None = None  # for restarts, and the base of a delta
         self._slots = PackSlots()  # the trainer's buckets, re-packed in place push to push
+        self._dtype = torch_dtype(options.delta_dtype) if options.delta_dtype else None
+        self._held: dict[tuple[int, int], str] = {}
+        """(replica id, pid) -> the version its workers' receive buffers hold (what a delta
+        changes); forgotten when the group is formed again (the workers drop them)."""
 
     @property
     def group_port(self) -> int | None:
@@ -100,16 +111,68 @@ class BroadcastTransport(Transport):
         packed: Packed | None = None,
     ) -> Prepared:
         phases: dict[str, float] = {}
+        delta = None
         if packed is None:  # 1) into the set of buckets the committed version is not in
             t0 = time.perf_counter()
             packed = await asyncio.to_thread(
-                self._slots.pack, tensors, version, self.options.bucket_bytes, self._committed
+                self._slots.pack,
+                tensors,
+                version,
+                self.options.bucket_bytes,
+                self._committed,
+                self._dtype,
             )
             phases["pack"] = time.perf_counter() - t0
+            if self._delta_base(packed, replicas) is not None:
+                t1 = time.perf_counter()
+                delta = await asyncio.to_thread(self._delta, packed)
+                phases["diff"] = time.perf_counter() - t1
         nbytes = sum(b.numel() * b.element_size() for b in packed.buffers)
-        prepared = await self._broadcast(packed.header, packed.buffers, nbytes, version, replicas)
+        header, buffers = (packed.header, packed.buffers) if delta is None else delta
+        try:
+            prepared = await self._broadcast(header, buffers, nbytes, version, replicas)
+        except BaseException:
+            self._held.clear()  # what the workers hold is unknown: the next push is full
+            raise
         self._staged = packed
-        return Prepared(prepared.calls, prepared.staged_in, {**phases, **prepared.phases})
+        return Prepared(
+            prepared.calls,
+            prepared.staged_in,
+            {**phases, **prepared.phases},
+            sent_bytes=sum(b.numel() for b in buffers),
+            base=header.base or None,
+        )
+
+    def _delta_base(self, packed: Packed, replicas: Replicas) -> Packed | None:
+        """The committed buckets a delta of ``packed`` may change: delta pushes on, the
+        same layout, and every replica's workers holding that version."""
+        base = self._committed
+        if self._dtype is None or base is None or base.buffers is packed.buffers or not replicas:
+            return None
+        if [b.tensors for b in base.header.buckets] != [b.tensors for b in packed.header.buckets]:
+            return None
+        if self.group is None or tuple(_key(r) for r in replicas) != self._members[1:]:
+            return None  # the group is formed again: its workers drop their buffers
+        if any(self._held.get(_key(r)) != base.version for r in replicas):
+            return None
+        return base
+
+    def _delta(self, packed: Packed) -> tuple[UpdateHeader, list[torch.Tensor]] | None:
+        """``packed`` as a delta of the committed buckets: its header and the payloads of
+        the buckets that changed; None when the full buckets are hardly larger."""
+        base = self._committed
+        deltas, payloads = [], []
+        for spec, new, old in zip(packed.header.buckets, packed.buffers, base.buffers, strict=True):
+            delta, payload = diff_bucket(new, old, spec)
+            deltas.append(delta)
+            if payload.numel():
+                payloads.append(payload)
+        if sum(p.numel() for p in payloads) > WORTH_SHARE * packed.nbytes:
+            return None
+        header = UpdateHeader(
+            packed.version, packed.header.buckets, base=base.version, deltas=tuple(deltas)
+        )
+        return header, payloads
 
     async def prepare_streamed(
         self, header: UpdateHeader, buckets: Iterable[torch.Tensor], replicas: Replicas
@@ -146,6 +209,8 @@ class BroadcastTransport(Transport):
         except BaseException:
             self._drop_group()
             raise
+        for r in replicas:  # their workers' buffers hold this version now
+            self._held[_key(r)] = version
         call = WorkerCall(WorkerMethods.APPLY_STAGED, (version,))
         return Prepared(calls_for(replicas, call), phases={"send": time.perf_counter() - t1})
 
@@ -295,6 +360,7 @@ class BroadcastTransport(Transport):
         if self.group is not None and members == self._members:
             return
         self._drop_group()
+        self._held.clear()  # workers joining a group drop their buffers
         self.group = await self._form_group(replicas, timeout_s)
         self._members = members
 

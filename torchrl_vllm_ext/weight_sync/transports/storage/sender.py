@@ -1,7 +1,9 @@
 """The storage transport: a memory-mapped A/B double buffer that workers load from.
 
 ``prepare``: 1) the writer fills the idle slot in place (copy, finiteness check and
-checksums in one pass) and publishes its manifest atomically; 2) each replica actor
+checksums in one pass; with delta pushes, cast to the served dtype and written only where
+the slot's bits differ: :func:`...delta.write_changes`) and publishes its manifest
+atomically; 2) each replica actor
 checksums the published slot while its engine keeps generating; 3) on GPUs, each worker
 copies the slot to its staging buffer (reserved at the first sync and kept: on the device,
 or in pinned host memory when the GPU lacks room or the replica has sleep mode, or not at
@@ -72,6 +74,7 @@ class StorageTransport(Transport):
         leftovers.reap()  # slots of writers that were killed
         self.writer = SlotWriter(options.storage_dir)
         self._previous: SlotManifest | None = None
+        self._dtype = torch_dtype(options.delta_dtype) if options.delta_dtype else None
 
     @property
     def root(self) -> str:
@@ -90,9 +93,14 @@ class StorageTransport(Transport):
     ) -> Prepared:
         t0 = time.perf_counter()
         self._previous = self.writer.published()
+        idle = "B" if self._previous is not None and self._previous.slot == "A" else "A"
+        base = self.writer.holds.get(idle) if self._dtype is not None else None
         await asyncio.to_thread(self._write, tensors, version)  # 1)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return await self._stage(version, replicas, nbytes, {"write": time.perf_counter() - t0})
+        prepared = await self._stage(version, replicas, nbytes, {"write": time.perf_counter() - t0})
+        prepared.sent_bytes = self.writer.written
+        prepared.base = base
+        return prepared
 
     async def prepare_written(self, manifest: SlotManifest, replicas: Replicas) -> Prepared:
         """``prepare`` of a slot other processes filled (a sharded trainer's ranks, in the
@@ -143,9 +151,9 @@ class StorageTransport(Transport):
         one per tensor)."""
         if any(t.is_cuda for t in tensors.values()):
             require_all_finite(tensors)
-            self.writer.write(tensors, version)
+            self.writer.write(tensors, version, dtype=self._dtype)
         else:
-            self.writer.write(tensors, version, require_finite)
+            self.writer.write(tensors, version, require_finite, self._dtype)
 
     async def _stage_on_gpus(
         self, replicas: Replicas, version: str, nbytes: int

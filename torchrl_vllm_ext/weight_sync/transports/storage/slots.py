@@ -26,6 +26,7 @@ from tensordict import TensorDict
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._files import fsync_path, write_text_atomic
 from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.weight_sync.delta import write_changes
 from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest, TensorSpec, from_json, to_json
 
@@ -43,9 +44,10 @@ def slot_key(name: str) -> str:
     return name.replace(".", "__")
 
 
-def layout_of(tensors: dict[str, torch.Tensor]) -> tuple:
-    """The slots' layout of ``tensors``: (name, shape, dtype) of each, in order."""
-    return tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items())
+def layout_of(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> tuple:
+    """The slots' layout of ``tensors``: (name, shape, dtype) of each, in order (``dtype``:
+    every tensor stored in it)."""
+    return tuple((k, tuple(t.shape), dtype or t.dtype) for k, t in tensors.items())
 
 
 def open_slot(path: str | Path, mode: str = "r+") -> TensorDict:
@@ -97,6 +99,11 @@ class SlotWriter:
         self.num_threads = num_threads
         self._slots: dict[str, TensorDict] = {}
         self._layout: tuple | None = None
+        self.written = 0
+        """Bytes the last :meth:`write` wrote into its slot."""
+        self.holds: dict[str, str] = {}
+        """Slot -> the version this writer last filled it with (unknown after a failed
+        write or in a new writer: then absent)."""
 
     def close(self) -> None:
         """Unmap and remove the slots and the manifest (the whole root if this writer
@@ -143,33 +150,47 @@ class SlotWriter:
         self._slot(name, layout)
         return name, self.root / f"slot-{name}"
 
-    def write(self, tensors: dict[str, torch.Tensor], version: str, check=None) -> SlotManifest:
+    def write(
+        self,
+        tensors: dict[str, torch.Tensor],
+        version: str,
+        check=None,
+        dtype: torch.dtype | None = None,
+    ) -> SlotManifest:
         """Fill the idle slot with ``tensors`` and publish it as ``version``.
 
         ``check(name, tensor)``, when given, runs on each tensor in the same pass (while
-        it is in cache) and may raise: then nothing is published.
+        it is in cache) and may raise: then nothing is published. ``dtype``: the slots
+        store the tensors cast to it, and a write changes only the elements whose bits
+        differ from what the slot holds (:func:`~...delta.write_changes`: a delta push).
         """
         idle = "B" if self._published_slot() == "A" else "A"
-        slot = self._slot(idle, layout_of(tensors))
+        slot = self._slot(idle, layout_of(tensors, dtype))
+        self.holds.pop(idle, None)  # being written: no whole version until published
 
         # 1) fill the idle slot in place (readers only read the published one) and
         # 2) checksum what is now in the slot, tensor by tensor, in one pass.
-        def put(name: str) -> int:
+        def put(name: str) -> tuple[int, int]:
             if check is not None:
                 check(name, tensors[name])
             dst = slot.get(slot_key(name))
-            dst.copy_(tensors[name])
-            return checksum(dst)
+            if dtype is None:
+                dst.copy_(tensors[name])
+                return checksum(dst), dst.numel() * dst.element_size()
+            written = write_changes(dst, tensors[name])
+            return checksum(dst), written
 
         with ThreadPoolExecutor(self.num_threads) as pool:
-            sums = list(pool.map(put, tensors))
+            done = list(pool.map(put, tensors))
         specs = tuple(
-            TensorSpec(k, dtype_name(t.dtype), tuple(t.shape), s)
-            for (k, t), s in zip(tensors.items(), sums, strict=True)
+            TensorSpec(k, dtype_name(dtype or t.dtype), tuple(t.shape), s)
+            for (k, t), (s, _) in zip(tensors.items(), done, strict=True)
         )
         manifest = SlotManifest(version=str(version), slot=idle, tensors=specs)
         # 3) publish atomically
         self.publish(manifest)
+        self.written = sum(n for _, n in done)
+        self.holds[idle] = manifest.version
         return manifest
 
     def published(self) -> SlotManifest | None:

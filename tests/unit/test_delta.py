@@ -1,0 +1,153 @@
+"""Delta pushes, as plain data: the encoding and its threshold, the slot writer's
+content-based writes (a killed writer's half-written slot), and when a scheme sends deltas.
+The pushes on real replicas: tests/integration/test_delta.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchrl_vllm_ext import ConfigurationError, WeightSyncError
+from torchrl_vllm_ext.weight_sync import delta as d
+from torchrl_vllm_ext.weight_sync.scheme import delta_dtype
+from torchrl_vllm_ext.weight_sync.transports.packing import PackSlots, pack
+from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotReader, SlotWriter
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"embed": (64, 16), "q": (16, 16), "norm": (16,), "big": (300, 7), "tiny": (1,)}
+    return {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()}
+
+
+def step(tensors: dict[str, torch.Tensor], lr: float, seed: int) -> dict[str, torch.Tensor]:
+    """An Adam-like step: every fp32 value moves by about ``lr``."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: t + lr * torch.randn(t.shape, generator=g).sign() for n, t in tensors.items()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_base_plus_its_delta_is_the_new_version_bit_for_bit(dtype):
+    old = pack(model(), "1", bucket_bytes=2000, dtype=dtype)
+    new_tensors = step(model(), 1e-5, seed=1)
+    new_tensors["norm"] = new_tensors["norm"] + 1.0  # a tensor changed whole
+    new_tensors["tiny"] = model()["tiny"]  # one unchanged
+    new = pack(new_tensors, "2", bucket_bytes=2000, dtype=dtype)
+    assert len(new.buffers) > 1
+    for spec, nb, ob in zip(new.header.buckets, new.buffers, old.buffers, strict=True):
+        delta, payload = d.diff_bucket(nb, ob, spec)
+        assert payload.numel() == d.payload_bytes(spec, delta)
+        held = ob.clone()
+        d.apply_bucket(held, spec, delta, payload)
+        assert torch.equal(held, nb)
+
+
+def test_a_mostly_changed_tensor_goes_whole_and_an_unchanged_bucket_sends_nothing():
+    old = pack(model(), "1", dtype=torch.bfloat16)
+    changed = model()
+    changed["q"] = changed["q"] * 2  # every value of q
+    changed["embed"][0, :3] += 1.0  # 3 of 1024 values of embed
+    new = pack(changed, "2", dtype=torch.bfloat16)
+    (spec,) = new.header.buckets
+    delta, payload = d.diff_bucket(new.buffers[0], old.buffers[0], spec)
+    assert delta.dense == ((64 * 16, 16 * 16),)  # q, after embed
+    assert delta.positions == 3 and delta.index_dtype == "int32"
+    assert payload.numel() == d.payload_bytes(spec, delta) < new.nbytes / 4
+    same, nothing = d.diff_bucket(old.buffers[0], old.buffers[0].clone(), spec)
+    assert same == d.BucketDelta((), 0) and nothing.numel() == 0
+
+
+@pytest.mark.parametrize("share", [0.01, 0.2, 0.3, 0.9])
+def test_the_threshold_decides_by_the_share_changed(share):
+    n = 1000
+    old = torch.zeros(n)
+    new = old.clone()
+    new[: int(share * n)] = 1.0
+    from torchrl_vllm_ext.weight_sync.specs import BucketSpec, TensorSpec
+
+    spec = BucketSpec("float32", (TensorSpec("w", "float32", (n,)),), 4 * n, 0)
+    delta, _ = d.diff_bucket(new.view(torch.uint8), old.view(torch.uint8), spec)
+    whole = share > d.DENSE_SHARE
+    assert (delta.dense == ((0, n),)) == whole
+    assert delta.positions == (0 if whole else int(share * n))
+
+
+def test_bits_are_compared_not_values():
+    old, new = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
+    assert d.changed_positions(
+        d.words(new.view(torch.uint8), "float32"), d.words(old.view(torch.uint8), "float32")
+    ).tolist() == [0]
+
+
+def test_write_changes_brings_any_content_to_the_new_values():
+    src = torch.randn(3 * d.CHUNK + 5) * 0.02
+    dst = torch.randn(src.numel()).to(torch.bfloat16)  # whatever the slot held
+    assert d.write_changes(dst, src) > 0
+    assert torch.equal(dst, src.to(torch.bfloat16))
+    assert d.write_changes(dst, src) == 0  # nothing differs: nothing written
+    src2 = src.clone()
+    src2[7] += 1.0
+    assert d.write_changes(dst, src2) == 2  # one bf16 value
+    assert torch.equal(dst, src2.to(torch.bfloat16))
+
+
+def test_slots_alternate_and_a_killed_delta_write_leaves_readers_on_the_published_version():
+    writer = SlotWriter()
+    try:
+        v = {i: step(model(), 1e-6, seed=i) for i in range(1, 5)}
+        writer.write(v[1], "1", dtype=torch.bfloat16)  # slot A
+        writer.write(v[2], "2", dtype=torch.bfloat16)  # slot B
+        assert writer.holds == {"A": "1", "B": "2"}
+
+        def killed(name, t):  # the writer dies after writing part of slot A
+            if name == "big":
+                raise RuntimeError("killed")
+
+        with pytest.raises(RuntimeError):
+            writer.write(v[3], "3", killed, dtype=torch.bfloat16)
+        assert writer.holds == {"B": "2"}  # A holds no whole version now
+        manifest, tensors = SlotReader(writer.root).read("2")  # verified: still version 2
+        assert manifest.slot == "B"
+        assert all(torch.equal(tensors[n], v[2][n].to(torch.bfloat16)) for n in v[2])
+        writer.write(v[4], "4", dtype=torch.bfloat16)  # into A, whatever A holds
+        manifest, tensors = SlotReader(writer.root).read("4")
+        assert manifest.slot == "A" and writer.written < sum(t.numel() * 2 for t in v[4].values())
+        assert all(torch.equal(tensors[n], v[4][n].to(torch.bfloat16)) for n in v[4])
+    finally:
+        writer.close()
+
+
+def test_a_slot_of_another_dtype_is_refused_by_name():
+    writer = SlotWriter()
+    try:
+        writer.write(model(), "1")
+        writer.write(model(), "2")
+        with pytest.raises(WeightSyncError, match="new storage directory"):
+            writer.write(model(), "3", dtype=torch.bfloat16)
+    finally:
+        writer.close()
+
+
+def test_pack_slots_cast_into_the_spare_set():
+    slots = PackSlots()
+    a = slots.pack(model(), "1", committed=None, dtype=torch.bfloat16)
+    b = slots.pack(step(model(), 1e-3, 1), "2", committed=a, dtype=torch.bfloat16)
+    c = slots.pack(model(), "3", committed=b, dtype=torch.bfloat16)
+    assert c.buffers is a.buffers and b.buffers is not a.buffers
+    assert all(s.dtype == "bfloat16" for s in c.header.buckets)
+    assert torch.equal(c.tensors()["q"], model()["q"].to(torch.bfloat16))
+
+
+def test_which_pushes_are_deltas():
+    assert delta_dtype("auto", "storage", "bfloat16") == "bfloat16"
+    assert delta_dtype("auto", "broadcast", "float16") == "float16"
+    assert delta_dtype("auto", "broadcast", "float32") is None  # every value changes
+    assert delta_dtype(True, "broadcast", "float32") == "float32"
+    assert delta_dtype(False, "storage", "bfloat16") is None
+    assert delta_dtype("auto", "ipc", "bfloat16") is None
+    with pytest.raises(ConfigurationError, match="delta=True needs a transport"):
+        delta_dtype(True, "ipc", "bfloat16")
+    with pytest.raises(ConfigurationError, match="delta='sometimes'"):
+        delta_dtype("sometimes", "storage", "bfloat16")

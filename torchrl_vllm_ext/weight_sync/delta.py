@@ -1,0 +1,182 @@
+"""Delta pushes: only what changed since the version a replica holds, in the served dtype.
+
+An RL step at a small learning rate moves fp32 master weights by far less than a bf16 ulp,
+so most served (bf16) values of a new version are those of the last one. A delta compares
+the new version's served-dtype bytes with a base version's, bit for bit, and sends per
+tensor nothing (unchanged), the changed positions and their values, or the whole tensor
+when more than :data:`DENSE_SHARE` of it changed. Plain functions over flat uint8 buckets
+(the packed transports' unit, :mod:`.transports.packing`), run where the buckets are
+(CPU or GPU), in chunks that stay in cache:
+
+- :func:`diff_bucket` (sender): what of one bucket to send, as a
+  :class:`~.specs.BucketDelta` and one uint8 payload (values, then positions);
+- :func:`apply_bucket` (receiver): the payload written into the base bucket it holds, as
+  two batched calls (one ``_foreach_copy_`` of the whole tensors, one ``index_put_`` of the
+  positions); the bucket's checksum, that of the whole new bucket, is then compared;
+- :func:`write_changes` (storage): a slot's tensor brought to the new values by writing
+  only the elements that differ from what the slot holds, whatever version that is.
+
+The comparison is of bits (``-0.0`` and ``0.0`` differ, a NaN never equals itself: a push
+is finite anyway), so a base plus its delta is the new version bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchrl_vllm_ext.weight_sync.params import torch_dtype
+from torchrl_vllm_ext.weight_sync.specs import BucketDelta, BucketSpec
+
+DENSE_SHARE = 0.25
+"""A tensor with more than this share of its elements changed is sent whole: a changed
+element costs its value and a 4-byte position (3x a bf16 value), and scattering it costs
+more than copying (``benchmarks/bench_delta.py --dense-shares``)."""
+
+WORTH_SHARE = 0.5
+"""A delta whose payload exceeds this share of the full update's bytes is not sent: the
+full update goes instead (float32 serving, where every value changes, or a first step)."""
+
+CHUNK = 1 << 20
+"""Elements compared at a time (a few MB: the comparison's scratch stays in cache)."""
+
+_WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def words(buffer: torch.Tensor, dtype: str | torch.dtype) -> torch.Tensor:
+    """A uint8 ``buffer`` as integers of ``dtype``'s width: compared bit for bit."""
+    itemsize = (torch_dtype(dtype) if isinstance(dtype, str) else dtype).itemsize
+    return buffer.view(torch.uint8).view(_WORDS[itemsize])
+
+
+def _spans(bucket: BucketSpec) -> list[tuple[int, int]]:
+    """``(first element, elements)`` of each tensor of ``bucket``."""
+    out, start = [], 0
+    for spec in bucket.tensors:
+        numel = 1
+        for d in spec.shape:
+            numel *= d
+        out.append((start, numel))
+        start += numel
+    return out
+
+
+def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """The positions (int64, ascending) where the 1-D integer tensors differ, in chunks."""
+    found = []
+    for start in range(0, new.numel(), CHUNK):
+        stop = min(start + CHUNK, new.numel())
+        where = torch.ne(new[start:stop], old[start:stop]).nonzero().squeeze(1)
+        if where.numel():
+            found.append(where + start)
+    if not found:
+        return new.new_empty(0, dtype=torch.int64)
+    return torch.cat(found)
+
+
+def diff_bucket(
+    new: torch.Tensor, old: torch.Tensor, bucket: BucketSpec, dense_share: float = DENSE_SHARE
+) -> tuple[BucketDelta, torch.Tensor]:
+    """What of bucket ``new`` (uint8, this version) differs from ``old`` (the base's bytes
+    of the same layout): its :class:`BucketDelta` and payload (uint8: the dense tensors'
+    values, then the changed values, then their positions, each part 8-byte aligned).
+
+    Examples:
+        >>> from torchrl_vllm_ext.weight_sync.specs import TensorSpec
+        >>> spec = BucketSpec("float32", (TensorSpec("a", "float32", (4,)),
+        ...                               TensorSpec("b", "float32", (2,))), 24, 0)
+        >>> old = torch.zeros(6).view(torch.uint8)
+        >>> new = torch.tensor([0, 0, 5.0, 0, 1, 1]).view(torch.uint8)
+        >>> delta, payload = diff_bucket(new, old, spec)
+        >>> delta.dense, delta.positions
+        (((4, 2),), 1)
+        >>> held = old.clone()
+        >>> apply_bucket(held, spec, delta, payload)
+        >>> torch.equal(held, new)
+        True
+    """
+    a, b = words(new, bucket.dtype), words(old, bucket.dtype)
+    positions = changed_positions(a, b)
+    spans = _spans(bucket)
+    dense: list[tuple[int, int]] = []
+    if positions.numel():
+        ends = torch.tensor([s + n for s, n in spans], dtype=torch.int64, device=a.device)
+        owner = torch.searchsorted(ends, positions, right=True)
+        counts = torch.bincount(owner, minlength=len(spans)).tolist()  # one sync
+        whole = [i for i, c in enumerate(counts) if c > dense_share * spans[i][1]]
+        if whole:
+            dense = [spans[i] for i in whole]
+            mask = torch.zeros(len(spans), dtype=torch.bool, device=a.device)
+            mask[whole] = True
+            positions = positions[~mask[owner]]
+    index_dtype = torch.int32 if a.numel() < 2**31 else torch.int64
+    parts = [a[s : s + n] for s, n in dense]
+    parts.append(a.index_select(0, positions))
+    values = torch.cat(parts).view(torch.uint8)
+    payload = torch.cat([_aligned(values), _aligned(positions.to(index_dtype).view(torch.uint8))])
+    delta = BucketDelta(tuple(dense), int(positions.numel()), str(index_dtype).split(".")[-1])
+    return delta, payload
+
+
+def payload_bytes(bucket: BucketSpec, delta: BucketDelta) -> int:
+    """Bytes of ``delta``'s payload (0: the bucket is unchanged and sends nothing)."""
+    itemsize = torch_dtype(bucket.dtype).itemsize
+    values = (sum(n for _, n in delta.dense) + delta.positions) * itemsize
+    index = delta.positions * (8 if delta.index_dtype == "int64" else 4)
+    return _round8(values) + _round8(index)
+
+
+def apply_bucket(
+    held: torch.Tensor, bucket: BucketSpec, delta: BucketDelta, payload: torch.Tensor
+) -> None:
+    """Write ``delta``'s ``payload`` into ``held`` (uint8, the base version's bucket):
+    one batched copy of the whole tensors, one ``index_put_`` of the changed positions."""
+    w = words(held, bucket.dtype)
+    itemsize = torch_dtype(bucket.dtype).itemsize
+    n_dense = sum(n for _, n in delta.dense)
+    n_values = n_dense + delta.positions
+    values = words(payload[: n_values * itemsize], bucket.dtype)
+    offset = _round8(n_values * itemsize)
+    index_dtype = torch.int64 if delta.index_dtype == "int64" else torch.int32
+    index_bytes = delta.positions * index_dtype.itemsize
+    positions = payload[offset : offset + index_bytes].view(index_dtype)
+    if delta.dense:
+        dsts, srcs, at = [], [], 0
+        for start, numel in delta.dense:
+            dsts.append(w[start : start + numel])
+            srcs.append(values[at : at + numel])
+            at += numel
+        torch._foreach_copy_(dsts, srcs)
+    if delta.positions:
+        w.index_put_((positions,), values[n_dense:])
+
+
+def write_changes(dst: torch.Tensor, src: torch.Tensor, dense_share: float = DENSE_SHARE) -> int:
+    """Bring ``dst`` (contiguous) to ``src``'s values cast to ``dst``'s dtype, writing only
+    the elements whose bits differ (a chunk where more than ``dense_share`` differ is
+    copied whole); returns the bytes written. What ``dst`` held before does not matter."""
+    d = dst.view(-1)
+    s = src.reshape(-1)
+    dw = words(d.view(torch.uint8), d.dtype)
+    written = 0
+    for start in range(0, d.numel(), CHUNK):
+        stop = min(start + CHUNK, d.numel())
+        new = s[start:stop].to(d.dtype).to(d.device)  # cast where the push is, then move
+        nw = words(new.view(torch.uint8), d.dtype)
+        where = torch.ne(nw, dw[start:stop]).nonzero().squeeze(1)
+        if where.numel() > dense_share * (stop - start):
+            dw[start:stop].copy_(nw)
+            written += (stop - start) * d.element_size()
+        elif where.numel():
+            dw[start:stop].index_copy_(0, where, nw.index_select(0, where))
+            written += where.numel() * d.element_size()
+    return written
+
+
+def _round8(n: int) -> int:
+    return n + (-n % 8)
+
+
+def _aligned(raw: torch.Tensor) -> torch.Tensor:
+    """``raw`` (uint8) padded with zeros to a multiple of 8 bytes."""
+    pad = -raw.numel() % 8
+    return torch.cat([raw, raw.new_zeros(pad)]) if pad else raw
