@@ -78,6 +78,7 @@ def test_broadcast_deltas_through_a_rollback_and_a_restart_equal_a_full_push(bf1
         assert scheme.push(masters, version=5).base == "4"
         (rid,) = bf16.replica_ids
         old_pid, _ = kill_replica(bf16, rid, random.Random(0))
+        bf16.check_health()  # found dead (no health checks here), restarted
         wait_restarted(bf16, rid, old_pid)  # brought up to 5 by a full send
         masters = rl_step(masters, LR, seed=6)
         assert scheme.push(masters, version=6).base is None  # a new process: all of it

@@ -62,6 +62,9 @@ class GRPOConfig:
     groups and pushing its shards (ShardedWeightSync); must divide ``prompts_per_step``."""
     transport: str = "auto"
     """Weight-sync transport: auto, storage or broadcast."""
+    delta: str = "auto"
+    """Delta pushes (only what changed since the replicas' version): auto (where they pay:
+    16-bit replicas on storage or broadcast), on or off."""
     seed: int = 0
     """Seeds the tiny model, the prompts, the trainer and the engines."""
     dtype: str = "float32"

@@ -71,8 +71,22 @@ def summarize(steps: list[dict], *, target: float, random_reward: float, window:
         "median_breakdown_s": breakdown,
         "median_tokens_per_s": statistics.median(s["tokens_per_s"] for s in steps),
         "max_abs_kl_to_engine": max(abs(s["kl_to_engine"]) for s in steps),
+        **sync_summary(steps),
         **reference_summary(steps, step_s),
         **mismatch_summary(steps, step_s, window=window),
+    }
+
+
+def sync_summary(steps: list[dict]) -> dict:
+    """What the pushes moved: the share of the pushed bytes sent (a bf16 full push of fp32
+    weights sends 0.5; a delta push far less) and how many pushes were deltas."""
+    shares = [s["sync_sent_share"] for s in steps if "sync_sent_share" in s]
+    if not shares:
+        return {}
+    return {
+        "sync_sent_share_median": statistics.median(shares),
+        "sync_sent_share_total": statistics.fmean(shares),
+        "sync_delta_pushes": sum(bool(s.get("sync_delta")) for s in steps),
     }
 
 

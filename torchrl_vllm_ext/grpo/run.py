@@ -215,7 +215,8 @@ def _weight_sync(cfg: GRPOConfig, service, stack: contextlib.ExitStack):
     if cfg.lora_rank:  # pushes carry the adapter only; the policy samples its newest
         scheme = stack.enter_context(AdapterSync(service, "policy", keep=2))
         return scheme, scheme
-    scheme = stack.enter_context(WeightSyncScheme(service, transport=cfg.transport))
+    delta = {"on": True, "off": False}.get(cfg.delta, cfg.delta)
+    scheme = stack.enter_context(WeightSyncScheme(service, transport=cfg.transport, delta=delta))
     if cfg.trainer_ranks == 1:
         return scheme, scheme
     return scheme, stack.enter_context(ShardedWeightSync(scheme))
@@ -365,6 +366,8 @@ class _Loop:
             generate_s=generate_s,
             sync_s=sync_s,
             sync_pause_s=max(report.pause_s.values(), default=0.0),
+            sync_sent_share=getattr(report, "sent_share", 1.0),
+            sync_delta=getattr(report, "base", None) is not None,
             tokens_per_s=self.cfg.rows_per_step * self.cfg.answer_len / generate_s,
             weight_version=int(self.scheme.version),
         )

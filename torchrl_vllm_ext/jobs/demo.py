@@ -101,6 +101,12 @@ def run(args: argparse.Namespace) -> int:
             f"({s['ref_share_of_step']:.0%} of the step, inside generate)"
         )
     print(breakdown_table(s))
+    if "sync_sent_share_total" in s:
+        print(
+            f"weight pushes sent {s['sync_sent_share_total']:.1%} of the pushed bytes "
+            f"({s['sync_delta_pushes']} of {len(result['steps'])} pushes were deltas; "
+            "full pushes of 16-bit replicas send half: the served dtype)"
+        )
     if "mismatch" in s:
         print()
         print(mismatch_table(s))

@@ -93,8 +93,7 @@ class StorageTransport(Transport):
     ) -> Prepared:
         t0 = time.perf_counter()
         self._previous = self.writer.published()
-        idle = "B" if self._previous is not None and self._previous.slot == "A" else "A"
-        base = self.writer.holds.get(idle) if self._dtype is not None else None
+        base = self.writer.holds.get(self.writer.idle_slot()) if self._dtype is not None else None
         await asyncio.to_thread(self._write, tensors, version)  # 1)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         prepared = await self._stage(version, replicas, nbytes, {"write": time.perf_counter() - t0})

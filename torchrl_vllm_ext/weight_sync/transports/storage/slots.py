@@ -142,11 +142,15 @@ class SlotWriter:
             self._slots[name] = td
         return self._slots[name]
 
+    def idle_slot(self) -> str:
+        """The slot the next write fills: the one readers are not pointed at."""
+        return "B" if self._published_slot() == "A" else "A"
+
     def idle(self, layout: tuple) -> tuple[str, Path]:
         """The slot the next publish may fill (not the published one), allocated for
         ``layout``, and its directory: for writers in other processes (a sharded trainer's
         ranks, :func:`open_slot`)."""
-        name = "B" if self._published_slot() == "A" else "A"
+        name = self.idle_slot()
         self._slot(name, layout)
         return name, self.root / f"slot-{name}"
 
@@ -164,7 +168,7 @@ class SlotWriter:
         store the tensors cast to it, and a write changes only the elements whose bits
         differ from what the slot holds (:func:`~...delta.write_changes`: a delta push).
         """
-        idle = "B" if self._published_slot() == "A" else "A"
+        idle = self.idle_slot()
         slot = self._slot(idle, layout_of(tensors, dtype))
         self.holds.pop(idle, None)  # being written: no whole version until published
 
