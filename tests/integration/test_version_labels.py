@@ -2,8 +2,11 @@
 replicas: a push, the scheme closed, a replica killed; what each replica serves is checked
 by value against the model its label names, and so are the samples, token by token.
 
-The first test leaves the shared service as it found it (two ready replicas serving the
-checkpoint's weights at version "0"); the second launches its own (mixed versions allowed).
+The default run holds a restarted replica out of traffic and brings it back with a push on
+the shared service, which then gets the checkpoint's weights back at version "0" (one push,
+``restore_checkpoint``). With ``--runslow`` the same goes on until both replicas restarted
+(the checkpoint becomes the live version again), and a service of its own lets mixed versions
+serve side by side; tests/unit/test_labels.py proves the pool's rule for both by default.
 """
 
 from __future__ import annotations
@@ -53,9 +56,9 @@ def probe_gap(actor, model) -> float:
     return (served - hf_token_logprobs(model, SEQUENCE)).abs().max().item()
 
 
-def test_a_replica_restarted_after_the_scheme_closed_is_held_at_the_checkpoints_label(
-    service, trainer, hf_model
-):
+def held_then_brought_up(service, trainer, hf_model) -> tuple[int, int]:
+    """A replica restarted after the scheme closed is held at the checkpoint's label; a
+    push with a new scheme brings it to the pushed version. (victim, survivor)."""
     wait_ready(service)
     perturb(trainer, seed=49)
     push_and_close(service, trainer, "pushed-49")
@@ -82,7 +85,24 @@ def test_a_replica_restarted_after_the_scheme_closed_is_held_at_the_checkpoints_
         assert list(scheme.push(trainer, version="pushed-50").pause_s) == [survivor]
         wait_ready(service)
         assert_replicas_match(service, trainer, "pushed-50")
+    return victim, survivor
 
+
+def test_a_replica_restarted_after_the_scheme_closed_is_held_at_the_checkpoints_label(
+    service, trainer, hf_model, restore_checkpoint
+):
+    held_then_brought_up(service, trainer, hf_model)
+
+
+@pytest.mark.slow(
+    reason="two more restarts (~20 s); by default tests/unit/test_labels.py::"
+    "test_once_no_replica_serves_the_live_version_the_checkpoint_is_live proves the pool's "
+    "fall-back, and the test above real restarts after the scheme closed"
+)
+def test_once_both_replicas_restarted_the_checkpoint_is_the_live_version_again(
+    service, trainer, hf_model
+):
+    victim, survivor = held_then_brought_up(service, trainer, hf_model)
     # Once no replica serves the live version (both restarted since the scheme closed),
     # the live label follows what they hold: the checkpoint, under "0".
     kill(service, victim)
@@ -114,6 +134,12 @@ def mixed_service(tiny_model, ray_cluster):
     svc.shutdown()
 
 
+@pytest.mark.slow(
+    reason="a service of its own (~40 s with its restart); by default tests/unit/"
+    "test_labels.py::test_mixed_versions_serve_under_the_checkpoints_label_when_allowed "
+    "proves the pool's admission, and the held-replica test above that a real restarted "
+    "replica is labelled with what it holds and its samples with their version"
+)
 def test_with_mixed_versions_allowed_each_sample_carries_the_version_that_made_it(
     mixed_service, trainer, hf_model
 ):
