@@ -87,8 +87,15 @@ def test_unservable_model_fails_fast_with_the_engines_own_cause(ray_cluster):
     assert set(live_groups("tvllm-")) == before
 
 
+# The restart (an AsyncLLM start, ~20 s) is slow: a restart reuses the pinned size by
+# tests/unit/test_start_order.py::test_a_restart_reuses_the_size_and_waits_for_nobody,
+# passes through the same start as the follower's pinned one here, and every restart test
+# runs the pool's restart path by default.
+@pytest.mark.parametrize(
+    "restart", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["start", "restart"]
+)
 def test_replicas_sharing_a_gpu_start_with_the_size_the_first_logged(
-    tiny_model, ray_cluster, monkeypatch, caplog
+    tiny_model, ray_cluster, monkeypatch, caplog, restart
 ):
     """The GPU start order (engine/driver/start_order.py) on CPU engines: ``AsyncLLM``
     replicas, whose start blocks the actor's event loop as on GPU, forced into one order.
@@ -127,10 +134,12 @@ def test_replicas_sharing_a_gpu_start_with_the_size_the_first_logged(
         messages = [r.getMessage() for r in caplog.records]
         assert any(f"replicas [{follower}] start now" in m for m in messages), messages
         assert len(svc.generate([[1, 2, 3]] * 4, {"max_tokens": 2})) == 4
+        if not restart:
+            return
 
         old = svc.replica_info(pin.measured_by).pid
         os.kill(old, signal.SIGKILL)
         wait_restarted(svc, pin.measured_by, old)
         assert svc.replica_info(pin.measured_by).kv_cache_bytes == pin.nbytes
-        restart = f"replica {pin.measured_by} starts on GPU *@{key[0]} with kv_cache_memory_bytes"
-        assert any(r.getMessage().startswith(restart) for r in caplog.records)
+        line = f"replica {pin.measured_by} starts on GPU *@{key[0]} with kv_cache_memory_bytes"
+        assert any(r.getMessage().startswith(line) for r in caplog.records)
