@@ -650,9 +650,10 @@ class FamilyRow:
 
 FAMILY_MATRIX = {
     "qwen2": FamilyRow("qwen2", True, note="q/k/v biases, tied"),
-    "qwen3": FamilyRow(
-        "qwen3", True, default=True, bf16_default=True, note="q/k norms per head, tied"
-    ),
+    # bf16 with --runslow: the phi3 row's bfloat16 cells run the same checks by default,
+    # the qwen3 row's float32 ones its structure, test_check_model's bfloat16 case a qwen3
+    # bfloat16 replica.
+    "qwen3": FamilyRow("qwen3", True, default=True, note="q/k norms per head, tied"),
     "llama": FamilyRow("llama", True, note="tied"),
     "llama3": FamilyRow("llama3", True, note="llama3 rope scaling, tied (Llama 3.2 1B/3B)"),
     "llama3_untied": FamilyRow("llama3", False, note="llama3 rope scaling, untied (8B/70B)"),
