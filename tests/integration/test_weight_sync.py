@@ -113,7 +113,15 @@ def test_prefix_cache_never_serves_entries_from_old_weights(service, trainer, sc
         assert (torch.tensor(s.logprobs) - ref).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
+# Storage is slow (a restart, ~15 s): by default a restart brought to the live weights
+# over storage, checked exactly, and the next push after it run in
+# tests/reliability/test_replica_kills.py::test_sigkill_during_weight_sync_keeps_replicas_consistent
+# and test_death_policy.py::test_a_push_during_a_death_completes_on_the_others_and_the_restart_gets_it
+# (and here in test_version_labels.py's held replica, brought up by a storage push).
+@pytest.mark.parametrize(
+    "transport",
+    [pytest.param(t, marks=pytest.mark.slow) if t == "storage" else t for t in CPU_TRANSPORTS],
+)
 def test_restarted_replica_is_brought_to_current_weights(service, trainer, schemes, transport):
     perturb(trainer, seed=77 + len(transport))
     version = f"before-crash-{transport}"
