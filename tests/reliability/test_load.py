@@ -1,7 +1,8 @@
 """Thousands of concurrent requests through the service and the policy, without deadlock.
 
 Client coroutines keep about 1,300 requests in flight at once for ``duration`` seconds
-(20 by default, minutes with ``--runslow``), half through ``VLLMService.agenerate_request_data``
+(10 by default: every client through many calls; minutes with ``--runslow``, where the
+memory bound means more), half through ``VLLMService.agenerate_request_data``
 and half through ``VLLMPolicy.aforward``. Every call must return a full answer; the
 resident memory of the driver and the replicas is measured before and after (its
 growth is checked against a generous bound: a correctness check for leaks, not a timing).
@@ -66,7 +67,7 @@ async def run_load(service, policy, duration: float) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(
-    "duration", [20, pytest.param(180, marks=pytest.mark.slow)], ids=lambda d: f"{d}s"
+    "duration", [10, pytest.param(180, marks=pytest.mark.slow)], ids=lambda d: f"{d}s"
 )
 def test_concurrent_load_without_deadlock_and_flat_memory(service, duration):
     wait_ready(service)
