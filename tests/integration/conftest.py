@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchrl_vllm_ext.testing.worker import TESTING_WORKER_EXTENSION
+
 from ..helpers import launch, local_ray
 
 
@@ -15,9 +17,13 @@ def ray_cluster():
     yield from local_ray()
 
 
+# Both with the testing worker extension (the package's, plus the served parameters'
+# checksums: a delta push is compared with a full one bit for bit).
 @pytest.fixture(scope="package")
 def service(tiny_model, ray_cluster):
-    svc = launch(tiny_model, health_check_interval=2.0)
+    svc = launch(
+        tiny_model, health_check_interval=2.0, worker_extension_cls=TESTING_WORKER_EXTENSION
+    )
     yield svc
     svc.shutdown()
 
@@ -26,7 +32,13 @@ def service(tiny_model, ray_cluster):
 def bf16_service(tiny_model, ray_cluster):
     """One replica serving bfloat16, for the modules that check a 16-bit path (a module
     that pushes into it pushes the checkpoint back as "0" at its end)."""
-    svc = launch(tiny_model, num_replicas=1, dtype="bfloat16", health_check_interval=0)
+    svc = launch(
+        tiny_model,
+        num_replicas=1,
+        dtype="bfloat16",
+        health_check_interval=0,
+        worker_extension_cls=TESTING_WORKER_EXTENSION,
+    )
     yield svc
     svc.shutdown()
 

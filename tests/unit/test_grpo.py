@@ -135,6 +135,19 @@ def test_summary_finds_the_target_and_the_breakdown(tmp_path):
     json.dumps(s)  # JSON-ready
 
 
+def test_summary_says_what_share_of_the_pushed_bytes_moved():
+    steps = _fake_steps(4)
+    for step, (share, delta) in zip(
+        steps, [(0.5, False), (0.02, True), (0.03, True), (0.01, True)]
+    ):
+        step.update(sync_sent_share=share, sync_delta=delta)
+    s = summarize(steps, target=0.8, random_reward=0.1)
+    assert s["sync_delta_pushes"] == 3
+    assert s["sync_sent_share_total"] == pytest.approx(0.14)
+    assert s["sync_sent_share_median"] == pytest.approx(0.025)
+    assert "sync_sent_share_total" not in summarize(_fake_steps(4), target=0.8, random_reward=0.1)
+
+
 def test_config_rows_and_json():
     cfg = GRPOConfig(prompts_per_step=3, group_size=5)
     assert cfg.rows_per_step == 15

@@ -33,6 +33,7 @@ BENCHMARKS = {
     "lora": ([], ["--hidden", "256", "--layers", "8", "--repeats", "2"]),
     "multinode": ([], ["--hidden", "256", "--layers", "8", "--rounds", "3"]),
     "sharded": ([], ["--hidden", "256", "--layers", "8", "--repeats", "2", "--worlds", "2"]),
+    "delta": ([], ["--hidden", "256", "--layers", "8", "--rounds", "2", "--block", "2"]),
 }
 RATIO_WORDS = ("ratio", "_vs_", "_over_", "speedup", "fraction", "share", "hit_rate")
 

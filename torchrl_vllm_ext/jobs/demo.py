@@ -28,6 +28,7 @@ FLAGS = {
     "replicas": "--replicas",
     "trainer_ranks": "--trainer-ranks",
     "transport": "--transport",
+    "delta": "--delta",
     "lr": "--lr",
     "entropy_coeff": "--entropy-coeff",
     "kl_coef": "--kl-coef",
@@ -47,6 +48,7 @@ FLAGS = {
 DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {
     "transport": registry.names(cpu=True),
+    "delta": ("auto", "on", "off"),
     "dtype": DTYPES,
     "replica_dtype": DTYPES,
     "rollout_correction": MODES,

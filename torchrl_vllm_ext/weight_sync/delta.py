@@ -37,7 +37,8 @@ WORTH_SHARE = 0.5
 full update goes instead (float32 serving, where every value changes, or a first step)."""
 
 CHUNK = 1 << 20
-"""Elements compared at a time (a few MB: the comparison's scratch stays in cache)."""
+"""Elements compared at a time on the CPU (a few MB: the comparison's scratch stays in
+cache: about twice as fast as whole 178 MB buckets on 2 cores)."""
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -61,10 +62,12 @@ def _spans(bucket: BucketSpec) -> list[tuple[int, int]]:
 
 
 def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """The positions (int64, ascending) where the 1-D integer tensors differ, in chunks."""
+    """The positions (int64, ascending) where the 1-D integer tensors differ: in chunks on
+    the CPU (cache), at once on a GPU (each chunk's ``nonzero`` would be a host sync)."""
     found = []
-    for start in range(0, new.numel(), CHUNK):
-        stop = min(start + CHUNK, new.numel())
+    chunk = CHUNK if new.device.type == "cpu" else max(new.numel(), 1)
+    for start in range(0, new.numel(), chunk):
+        stop = min(start + chunk, new.numel())
         where = torch.ne(new[start:stop], old[start:stop]).nonzero().squeeze(1)
         if where.numel():
             found.append(where + start)

@@ -123,9 +123,10 @@ class BroadcastTransport(Transport):
                 self._dtype,
             )
             phases["pack"] = time.perf_counter() - t0
-            if self._delta_base(packed, replicas) is not None:
+            base = self._delta_base(packed, replicas)
+            if base is not None:
                 t1 = time.perf_counter()
-                delta = await asyncio.to_thread(self._delta, packed)
+                delta = await asyncio.to_thread(self._delta, packed, base)
                 phases["diff"] = time.perf_counter() - t1
         nbytes = sum(b.numel() * b.element_size() for b in packed.buffers)
         header, buffers = (packed.header, packed.buffers) if delta is None else delta
@@ -157,10 +158,10 @@ class BroadcastTransport(Transport):
             return None
         return base
 
-    def _delta(self, packed: Packed) -> tuple[UpdateHeader, list[torch.Tensor]] | None:
-        """``packed`` as a delta of the committed buckets: its header and the payloads of
-        the buckets that changed; None when the full buckets are hardly larger."""
-        base = self._committed
+    @staticmethod
+    def _delta(packed: Packed, base: Packed) -> tuple[UpdateHeader, list[torch.Tensor]] | None:
+        """``packed`` as a delta of ``base``'s buckets: its header and the payloads of the
+        buckets that changed; None when the full buckets are hardly larger."""
         deltas, payloads = [], []
         for spec, new, old in zip(packed.header.buckets, packed.buffers, base.buffers, strict=True):
             delta, payload = diff_bucket(new, old, spec)
