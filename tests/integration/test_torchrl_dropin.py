@@ -5,7 +5,8 @@ scheme, a ``TransformersWrapper`` and a PEFT model are pushed as what they compu
 processes (TorchRL's ``RayLLMCollector``, Ray tasks), the service is a handle to the same
 replicas: same tokens and log-probs, the owner's versions and deaths, pushes forwarded.
 
-One replica of its own (pushes change its weights), shared by the module's tests.
+The package's shared service (two replicas), which gets the checkpoint back at version "0"
+at the module's end (``restore_checkpoint``: the module pushes into it).
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ from torchrl_vllm_ext import (
 from ..helpers import (
     assert_replicas_match,
     hf_token_logprobs,
-    launch,
     make_adapter,
     perturb,
+    wait_ready,
     wait_until,
 )
 
@@ -51,10 +52,8 @@ CHATS = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "r
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model, ray_cluster):
-    svc = launch(tiny_model, num_replicas=1)
-    yield svc
-    svc.shutdown()
+def engine(service, restore_checkpoint):
+    return service
 
 
 @pytest.fixture(scope="module")
@@ -322,14 +321,16 @@ def test_service_pickles_into_ray_processes_as_a_handle(engine, tokenizer):
             ),
             10,
         )
-        # A death a handle meets: its batch waits for the owner's restart and succeeds;
-        # the owner's pool recorded it once and every side sees it.
-        deaths = len(engine.deaths())
-        ray.kill(engine.actors[0], no_restart=True)
+        # Deaths a handle meets (every replica): its batch waits for the owner's restart
+        # and succeeds; the owner's pool recorded each death once and every side sees it.
+        deaths, killed = len(engine.deaths()), len(engine.actors)
+        for actor in engine.actors:
+            ray.kill(actor, no_restart=True)
         after = ray.get(holder.generate.remote(ids))
-        assert len(engine.deaths()) == deaths + 1
-        wait_until(lambda: len(ray.get(holder.call.remote("deaths"))) == deaths + 1, 10)
-        # Closing a handle stops nothing: the owner serves the same (restarted) replica.
+        wait_ready(engine, killed)
+        assert len(engine.deaths()) == deaths + killed
+        wait_until(lambda: len(ray.get(holder.call.remote("deaths"))) == deaths + killed, 10)
+        # Closing a handle stops nothing: the owner serves the same (restarted) replicas.
         ray.get(holder.call.remote("shutdown"))
         assert list(engine.generate([ids], GREEDY)[0].outputs[0].token_ids) == after
     finally:
