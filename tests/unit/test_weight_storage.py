@@ -82,6 +82,12 @@ while True:
 """
 
 
+@pytest.mark.slow(
+    reason="8 kills ~2 s apart (~14 s, mostly the writer's start); by default tests/"
+    "reliability/test_storage_writer_kills.py::test_writer_killed_at_every_step_of_a_publish"
+    "[2-rounds] kills the writer at every step of a publish and after random delays, and "
+    "test_concurrent_reader_never_loads_a_torn_slot kills it at random under a reader"
+)
 def test_writer_killed_at_random_moments_never_exposes_a_torn_slot(tmp_path):
     root = tmp_path / "s"
     SlotWriter(root).write({f"model.layers.{i}.w": torch.zeros(512, 512) for i in range(8)}, "0")
