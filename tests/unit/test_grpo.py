@@ -138,7 +138,7 @@ def test_summary_finds_the_target_and_the_breakdown(tmp_path):
 def test_summary_says_what_share_of_the_pushed_bytes_moved():
     steps = _fake_steps(4)
     for step, (share, delta) in zip(
-        steps, [(0.5, False), (0.02, True), (0.03, True), (0.01, True)]
+        steps, [(0.5, False), (0.02, True), (0.03, True), (0.01, True)], strict=True
     ):
         step.update(sync_sent_share=share, sync_delta=delta)
     s = summarize(steps, target=0.8, random_reward=0.1)

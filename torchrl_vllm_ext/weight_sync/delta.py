@@ -13,8 +13,11 @@ when more than :data:`DENSE_SHARE` of it changed. Plain functions over flat uint
 - :func:`apply_bucket` (receiver): the payload written into the base bucket it holds, as
   two batched calls (one ``_foreach_copy_`` of the whole tensors, one ``index_put_`` of the
   positions); the bucket's checksum, that of the whole new bucket, is then compared;
-- :func:`write_changes` (storage): a slot's tensor brought to the new values by writing
-  only the elements that differ from what the slot holds, whatever version that is.
+
+Storage sends no deltas: its slots hold whole versions in the served dtype (half an fp32
+push's bytes). A slot is written in 4 KB pages, and at lr 1e-6 a page of 2048 bf16 values
+holds ~4 changed ones, so writing only the changed values dirties nearly every page and
+reads the slot besides: measured slower than writing it whole (``bench_delta``, 2026-11-28).
 
 The comparison is of bits (``-0.0`` and ``0.0`` differ, a NaN never equals itself: a push
 is finite anyway), so a base plus its delta is the new version bit for bit.
@@ -151,28 +154,6 @@ def apply_bucket(
         torch._foreach_copy_(dsts, srcs)
     if delta.positions:
         w.index_put_((positions,), values[n_dense:])
-
-
-def write_changes(dst: torch.Tensor, src: torch.Tensor, dense_share: float = DENSE_SHARE) -> int:
-    """Bring ``dst`` (contiguous) to ``src``'s values cast to ``dst``'s dtype, writing only
-    the elements whose bits differ (a chunk where more than ``dense_share`` differ is
-    copied whole); returns the bytes written. What ``dst`` held before does not matter."""
-    d = dst.view(-1)
-    s = src.reshape(-1)
-    dw = words(d.view(torch.uint8), d.dtype)
-    written = 0
-    for start in range(0, d.numel(), CHUNK):
-        stop = min(start + CHUNK, d.numel())
-        new = s[start:stop].to(d.dtype).to(d.device)  # cast where the push is, then move
-        nw = words(new.view(torch.uint8), d.dtype)
-        where = torch.ne(nw, dw[start:stop]).nonzero().squeeze(1)
-        if where.numel() > dense_share * (stop - start):
-            dw[start:stop].copy_(nw)
-            written += (stop - start) * d.element_size()
-        elif where.numel():
-            dw[start:stop].index_copy_(0, where, nw.index_select(0, where))
-            written += where.numel() * d.element_size()
-    return written
 
 
 def _round8(n: int) -> int:

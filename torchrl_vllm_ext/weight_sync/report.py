@@ -54,11 +54,10 @@ class SyncReport:
 
     sent_bytes: int = 0
     """Bytes the transport moved: the full push's (cast to the served dtype with delta
-    pushes on), or a delta's changed values and positions (storage: bytes written into
-    the slot)."""
+    pushes on), or a delta's changed values and positions."""
     base: str | None = None
-    """The version a delta push changed, which every replica it reached held (storage:
-    the version the slot it wrote held); None: a full push."""
+    """The version a delta push changed, which every replica it reached held; None: a
+    full push."""
 
     @property
     def sent_share(self) -> float:

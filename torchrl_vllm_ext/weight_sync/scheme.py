@@ -151,8 +151,9 @@ class WeightSyncScheme:
             replica holds the last version, only the values whose bits changed and their
             positions (a tensor mostly changed goes whole; a delta hardly smaller than the
             push goes as a full push), and each worker checks the buckets it rebuilt against
-            the sender's checksums; the storage writer writes only the elements of the slot
-            that differ. ``SyncReport.sent_bytes`` says what moved.
+            the sender's checksums; storage writes whole slots of the served dtype (a delta
+            gains nothing there: :mod:`~torchrl_vllm_ext.weight_sync.delta`).
+            ``SyncReport.sent_bytes`` says what moved.
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP

@@ -1,9 +1,8 @@
 """The storage transport: a memory-mapped A/B double buffer that workers load from.
 
 ``prepare``: 1) the writer fills the idle slot in place (copy, finiteness check and
-checksums in one pass; with delta pushes, cast to the served dtype and written only where
-the slot's bits differ: :func:`...delta.write_changes`) and publishes its manifest
-atomically; 2) each replica actor
+checksums in one pass; with delta pushes on, cast to the served dtype: a slot holds whole
+versions, see :mod:`...delta`) and publishes its manifest atomically; 2) each replica actor
 checksums the published slot while its engine keeps generating; 3) on GPUs, each worker
 copies the slot to its staging buffer (reserved at the first sync and kept: on the device,
 or in pinned host memory when the GPU lacks room or the replica has sleep mode, or not at
@@ -93,12 +92,10 @@ class StorageTransport(Transport):
     ) -> Prepared:
         t0 = time.perf_counter()
         self._previous = self.writer.published()
-        base = self.writer.holds.get(self.writer.idle_slot()) if self._dtype is not None else None
         await asyncio.to_thread(self._write, tensors, version)  # 1)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         prepared = await self._stage(version, replicas, nbytes, {"write": time.perf_counter() - t0})
         prepared.sent_bytes = self.writer.written
-        prepared.base = base
         return prepared
 
     async def prepare_written(self, manifest: SlotManifest, replicas: Replicas) -> Prepared:

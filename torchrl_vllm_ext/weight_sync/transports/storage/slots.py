@@ -26,7 +26,6 @@ from tensordict import TensorDict
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._files import fsync_path, write_text_atomic
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.delta import write_changes
 from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest, TensorSpec, from_json, to_json
 
@@ -101,9 +100,6 @@ class SlotWriter:
         self._layout: tuple | None = None
         self.written = 0
         """Bytes the last :meth:`write` wrote into its slot."""
-        self.holds: dict[str, str] = {}
-        """Slot -> the version this writer last filled it with (unknown after a failed
-        write or in a new writer: then absent)."""
 
     def close(self) -> None:
         """Unmap and remove the slots and the manifest (the whole root if this writer
@@ -165,36 +161,30 @@ class SlotWriter:
 
         ``check(name, tensor)``, when given, runs on each tensor in the same pass (while
         it is in cache) and may raise: then nothing is published. ``dtype``: the slots
-        store the tensors cast to it, and a write changes only the elements whose bits
-        differ from what the slot holds (:func:`~...delta.write_changes`: a delta push).
+        store the tensors cast to it (the served dtype, with delta pushes on).
         """
         idle = self.idle_slot()
         slot = self._slot(idle, layout_of(tensors, dtype))
-        self.holds.pop(idle, None)  # being written: no whole version until published
 
         # 1) fill the idle slot in place (readers only read the published one) and
         # 2) checksum what is now in the slot, tensor by tensor, in one pass.
-        def put(name: str) -> tuple[int, int]:
+        def put(name: str) -> int:
             if check is not None:
                 check(name, tensors[name])
             dst = slot.get(slot_key(name))
-            if dtype is None:
-                dst.copy_(tensors[name])
-                return checksum(dst), dst.numel() * dst.element_size()
-            written = write_changes(dst, tensors[name])
-            return checksum(dst), written
+            dst.copy_(tensors[name])
+            return checksum(dst)
 
         with ThreadPoolExecutor(self.num_threads) as pool:
-            done = list(pool.map(put, tensors))
+            sums = list(pool.map(put, tensors))
         specs = tuple(
             TensorSpec(k, dtype_name(dtype or t.dtype), tuple(t.shape), s)
-            for (k, t), (s, _) in zip(tensors.items(), done, strict=True)
+            for (k, t), s in zip(tensors.items(), sums, strict=True)
         )
         manifest = SlotManifest(version=str(version), slot=idle, tensors=specs)
         # 3) publish atomically
         self.publish(manifest)
-        self.written = sum(n for _, n in done)
-        self.holds[idle] = manifest.version
+        self.written = sum(t.numel() * (dtype or t.dtype).itemsize for t in tensors.values())
         return manifest
 
     def published(self) -> SlotManifest | None:
