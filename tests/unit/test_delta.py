@@ -138,3 +138,68 @@ def test_which_pushes_are_deltas():
         delta_dtype(True, "ipc", "bfloat16")
     with pytest.raises(ConfigurationError, match="delta='sometimes'"):
         delta_dtype("sometimes", "storage", "bfloat16")
+
+
+class _Group:
+    """A stand-in for the broadcast group: each ``broadcast(buf, 0)`` fills ``buf`` with the
+    next buffer the sender sent."""
+
+    def __init__(self, sent):
+        self.sent = list(sent)
+
+    def broadcast(self, buf, src):
+        buf.copy_(self.sent.pop(0))
+        return self
+
+    def wait(self):
+        return True
+
+
+def _receiver(sent):
+    from torchrl_vllm_ext.weight_sync.transports.broadcast.receiver import BroadcastReceiver
+
+    receiver = BroadcastReceiver(loads=None)
+    receiver.group, receiver.backend, receiver.device = (
+        (None, _Group(sent)),
+        "gloo",
+        torch.device("cpu"),
+    )
+    return receiver
+
+
+def _delta_update(new, base):
+    from torchrl_vllm_ext.weight_sync.specs import UpdateHeader
+
+    pairs = [
+        d.diff_bucket(n, o, s)
+        for s, n, o in zip(new.header.buckets, new.buffers, base.buffers, strict=True)
+    ]
+    header = UpdateHeader(
+        new.version, new.header.buckets, base=base.version, deltas=tuple(p[0] for p in pairs)
+    )
+    return header, [p[1] for p in pairs if p[1].numel()]
+
+
+def test_a_worker_rebuilds_each_version_from_its_buffers_and_refuses_another_base():
+    v1 = pack(model(), "1", bucket_bytes=2000, dtype=torch.bfloat16)
+    v2 = pack(step(model(), 1e-3, seed=2), "2", bucket_bytes=2000, dtype=torch.bfloat16)
+    v3 = pack(step(model(), 1e-3, seed=3), "3", bucket_bytes=2000, dtype=torch.bfloat16)
+    receiver = _receiver([b.clone() for b in v1.buffers])
+    receiver._receive(v1.header)
+    assert receiver.held == "1"
+    header, payloads = _delta_update(v2, v1)
+    receiver.group[1].sent = payloads
+    named = dict(receiver._receive(header))
+    assert receiver.held == "2"
+    assert all(torch.equal(named[n], t) for n, t in v2.tensors().items())
+    header, payloads = _delta_update(v3, v1)  # a delta of 1, but the worker holds 2
+    receiver.group[1].sent = payloads
+    with pytest.raises(WeightSyncError, match="buffers hold 2"):
+        receiver._receive(header)
+    assert not receiver.group[1].sent  # every payload was received first
+    header, payloads = _delta_update(v3, v2)
+    payloads[0][0] ^= 1  # one bit flipped on the way
+    receiver.group[1].sent = payloads
+    with pytest.raises(WeightSyncError, match="after its delta"):
+        receiver._receive(header)
+    assert receiver.held is None  # nothing whole: the next delta is refused too
