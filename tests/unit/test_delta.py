@@ -74,6 +74,16 @@ def test_the_threshold_decides_by_the_share_changed(share):
     assert delta.positions == (0 if whole else int(share * n))
 
 
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32, torch.uint8])
+def test_changed_positions_agree_with_an_elementwise_comparison(dtype):
+    g = torch.Generator().manual_seed(0)
+    for n, offset in [(1001, 0), (4096, 0), (333, 1), (7, 0), (3 * d.CHUNK + 3, 0)]:
+        old = torch.randint(0, 50, (n + offset,), generator=g).to(dtype)[offset:]
+        new = old.clone()
+        new[torch.randint(0, n, (n // 20 + 1,), generator=g)] += 1
+        assert torch.equal(d.changed_positions(new, old), (new != old).nonzero().squeeze(1))
+
+
 def test_bits_are_compared_not_values():
     old, new = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
     assert d.changed_positions(

@@ -30,10 +30,12 @@ import torch
 from torchrl_vllm_ext.weight_sync.params import torch_dtype
 from torchrl_vllm_ext.weight_sync.specs import BucketDelta, BucketSpec
 
-DENSE_SHARE = 0.25
-"""A tensor with more than this share of its elements changed is sent whole: a changed
-element costs its value and a 4-byte position (3x a bf16 value), and scattering it costs
-more than copying (``benchmarks/bench_delta.py --dense-shares``)."""
+DENSE_SHARE = 0.1
+"""A tensor with more than this share of its elements changed is sent whole. A changed bf16
+element costs its value and a 4-byte position (3x the value), and writing it by position
+costs more than copying: on a 64 MB bf16 bucket, 2 cores (``benchmarks/bench_delta.py
+--dense-shares``, 2026-11-28), 10% by position took 15 ms against 8 ms whole, 25% 38 ms
+against 6 ms; up to ~10% the bytes saved pay for it on a link of a few GB/s."""
 
 WORTH_SHARE = 0.5
 """A delta whose payload exceeds this share of the full update's bytes is not sent: the
@@ -65,8 +67,27 @@ def _spans(bucket: BucketSpec) -> list[tuple[int, int]]:
 
 
 def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """The positions (int64, ascending) where the 1-D integer tensors differ: in chunks on
-    the CPU (cache), at once on a GPU (each chunk's ``nonzero`` would be a host sync)."""
+    """The positions (int64, ascending) where the 1-D integer tensors differ. Narrow
+    elements are compared 8 bytes at a time (4 bf16 values per word: a quarter of the
+    comparisons), then the lanes of the changed words."""
+    per = 8 // new.element_size()
+    whole = new.numel() - new.numel() % per
+    aligned = new.storage_offset() % per == 0 and old.storage_offset() % per == 0
+    if per == 1 or not whole or not aligned:
+        return _differing(new, old)
+    words = _differing(new[:whole].view(torch.int64), old[:whole].view(torch.int64))
+    rows_new = new[:whole].view(-1, per).index_select(0, words)
+    rows_old = old[:whole].view(-1, per).index_select(0, words)
+    word, lane = torch.ne(rows_new, rows_old).nonzero(as_tuple=True)
+    found = words[word] * per + lane
+    if whole < new.numel():
+        found = torch.cat([found, _differing(new[whole:], old[whole:]) + whole])
+    return found
+
+
+def _differing(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """:func:`changed_positions` element by element: in chunks on the CPU (cache), at once
+    on a GPU (each chunk's ``nonzero`` would be a host sync)."""
     found = []
     chunk = CHUNK if new.device.type == "cpu" else max(new.numel(), 1)
     for start in range(0, new.numel(), chunk):
@@ -88,13 +109,15 @@ def diff_bucket(
 
     Examples:
         >>> from torchrl_vllm_ext.weight_sync.specs import TensorSpec
-        >>> spec = BucketSpec("float32", (TensorSpec("a", "float32", (4,)),
-        ...                               TensorSpec("b", "float32", (2,))), 24, 0)
-        >>> old = torch.zeros(6).view(torch.uint8)
-        >>> new = torch.tensor([0, 0, 5.0, 0, 1, 1]).view(torch.uint8)
+        >>> spec = BucketSpec("float32", (TensorSpec("a", "float32", (20,)),
+        ...                               TensorSpec("b", "float32", (2,))), 88, 0)
+        >>> old = torch.zeros(22).view(torch.uint8)
+        >>> new = torch.zeros(22)
+        >>> new[2], new[20:] = 5.0, 1.0  # 1 of a's 20 values, all of b
+        >>> new = new.view(torch.uint8)
         >>> delta, payload = diff_bucket(new, old, spec)
         >>> delta.dense, delta.positions
-        (((4, 2),), 1)
+        (((20, 2),), 1)
         >>> held = old.clone()
         >>> apply_bucket(held, spec, delta, payload)
         >>> torch.equal(held, new)
