@@ -113,15 +113,16 @@ def test_prefix_cache_never_serves_entries_from_old_weights(service, trainer, sc
         assert (torch.tensor(s.logprobs) - ref).abs().max().item() < 1e-4
 
 
-# Storage is slow (a restart, ~15 s): by default a restart brought to the live weights
-# over storage, checked exactly, and the next push after it run in
+# Slow (a restart each, ~15 s). By default a restart brought to the live weights over
+# storage, checked exactly, and the next push after it run in
 # tests/reliability/test_replica_kills.py::test_sigkill_during_weight_sync_keeps_replicas_consistent
 # and test_death_policy.py::test_a_push_during_a_death_completes_on_the_others_and_the_restart_gets_it
-# (and here in test_version_labels.py's held replica, brought up by a storage push).
-@pytest.mark.parametrize(
-    "transport",
-    [pytest.param(t, marks=pytest.mark.slow) if t == "storage" else t for t in CPU_TRANSPORTS],
-)
+# (and here in test_version_labels.py's held replica, brought up by a storage push); over
+# broadcast (a gloo group re-formed for the restarted member, checked exactly, and the
+# next push through it) in test_a_planned_push_mixes_routes_commits_one_version_and_brings_up_restarts
+# below and test_delta.py::test_broadcast_deltas_through_a_rollback_and_a_restart_equal_a_full_push.
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", CPU_TRANSPORTS)
 def test_restarted_replica_is_brought_to_current_weights(service, trainer, schemes, transport):
     perturb(trainer, seed=77 + len(transport))
     version = f"before-crash-{transport}"
@@ -219,4 +220,8 @@ def test_a_planned_push_mixes_routes_commits_one_version_and_brings_up_restarts(
         os.kill(old_pid, signal.SIGKILL)  # its restart loads planned-1 over gloo
         wait_restarted(service, victim, old_pid)
         assert_replicas_match(service, trainer, "planned-1")
-        scheme.push(original, version="0")  # later tests expect the checkpoint's weights
+        # The next push reaches it through its route (the gloo group re-formed for the new
+        # process); later tests expect the checkpoint's weights.
+        scheme.push(original, version="0")
+        trainer.load_state_dict(original)
+        assert_replicas_match(service, trainer, "0")
