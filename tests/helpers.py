@@ -490,11 +490,9 @@ from torchrl_vllm_ext import AdapterSync, VLLMService, WeightSyncScheme
 from tests.helpers import ENGINE_KWARGS, LORA_KWARGS, make_adapter, perturb
 
 model, out, mode = sys.argv[1:]
-# Its own Ray cluster, owned (and shut down) by the service; LoRA only where adapters are
-# pushed (mode close: a LoRA engine starts slower).
-lora = LORA_KWARGS if mode == "close" else {}
+# Its own Ray cluster, owned (and shut down) by the service.
 svc = VLLMService.launch(model, num_replicas=1, cpus_per_replica=0.5,
-                         health_check_interval=0, **lora, **ENGINE_KWARGS)
+                         health_check_interval=0, **LORA_KWARGS, **ENGINE_KWARGS)
 import ray
 from ray._private import worker
 info = {"driver": os.getpid(), "replicas": [r.info.pid for r in svc.replicas()],
