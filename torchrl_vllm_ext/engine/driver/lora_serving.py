@@ -5,22 +5,33 @@ A client of the :class:`~torchrl_vllm_ext.engine.driver.pool.ReplicaPool`: ``add
 A replica on the driver's node loads an adapter from its directory; a replica on another
 node gets the directory's files through Ray's object store (one copy per adapter version),
 unless the adapter's directory is shared by every node. An adapter from memory (a
-trainer's tensors) is packed once into Ray's object store and every replica, on any node,
-has its workers build it from there: no file anywhere. A replica started later gets the
-live adapters before it takes traffic (a step the pool runs before marking it ready). Loading an adapter has a
-deadline (:class:`~torchrl_vllm_ext.deadlines.Deadline` of the adapter's bytes): a
-replica that does not answer in time is handled as dead (killed and restarted).
+trainer's tensors) is built by every replica's workers from its packed tensors, with no
+file anywhere: a replica on the driver's node reads them from the driver's shared memory
+when an :class:`~torchrl_vllm_ext.AdapterSync` packed them there (only the header crosses
+Ray), any other from Ray's object store (one object per version, put once). A replica
+started later gets the live adapters before it takes traffic (a step the pool runs
+before marking it ready). Loading an adapter has a deadline
+(:class:`~torchrl_vllm_ext.deadlines.Deadline` of the adapter's bytes): a replica that
+does not answer in time is handled as dead (killed and restarted).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
 from pathlib import Path
 
 import ray
 
 from torchrl_vllm_ext.deadlines import Deadline
-from torchrl_vllm_ext.engine.adapters import Adapter, AdapterRegistry, pack_adapter, read_files
+from torchrl_vllm_ext.engine.adapters import (
+    Adapter,
+    AdapterRegistry,
+    AdapterTensors,
+    pack_adapter,
+    read_files,
+)
 from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
 from torchrl_vllm_ext.engine.fleet import ReplicaView
 
@@ -52,6 +63,10 @@ class LoraServing:
         # lora id -> its files (a directory's, for replicas on other nodes) or its packed
         # tensors (an adapter from memory, for every replica) in Ray's object store
         self._shipped: dict[int, asyncio.Future] = {}
+        # lora id -> an adapter from memory, packed (in the driver's shared memory when an
+        # AdapterSync packed it: replicas on this node read it there)
+        self._packed: dict[int, AdapterTensors] = {}
+        self._unmapped: set[str] = set()  # replica processes that cannot map that memory
         pool.before_traffic(self._load_live)
 
     async def add(self, name: str, path: str | Path, shared: bool) -> int:
@@ -63,26 +78,52 @@ class LoraServing:
         adapter, previous = self._adapters.add(name, path, shared)
         return await self._add_everywhere(adapter, previous, _nbytes(Path(path)))
 
-    async def add_tensors(self, name: str, tensors: dict, config: dict) -> int:
-        """Load an adapter from memory (PEFT's saved names -> CPU tensors, its
-        ``LoraConfig`` as a dict) on every ready replica as ``name``, as :meth:`add`."""
-        packed = await asyncio.to_thread(pack_adapter, tensors, config)
-        adapter, previous = self._adapters.add(name, None, nbytes=packed.data.nbytes)
-        self._shipped[adapter.lora_id] = asyncio.ensure_future(_put(packed))
-        return await self._add_everywhere(adapter, previous, adapter.nbytes)
+    async def add_tensors(
+        self,
+        name: str,
+        tensors: dict | AdapterTensors,
+        config: dict | None = None,
+        version: str | None = None,
+    ) -> int:
+        """Load an adapter from memory (PEFT's saved names -> CPU tensors with its
+        ``LoraConfig`` as a dict, or both packed already) on every ready replica as
+        ``name``, as :meth:`add`. ``version``: each replica labels its weights so in the
+        same call, once it holds the adapter (the pool's label follows once all do)."""
+        if not isinstance(tensors, AdapterTensors):
+            tensors = await asyncio.to_thread(pack_adapter, tensors, config)
+        elif tensors.shared is not None and tensors.shared.pid != os.getpid():
+            tensors = dataclasses.replace(tensors, shared=None)  # a handle's process packed it
+        shipped = None
+        if tensors.shared is None:
+            # In the object store first: the caller may reuse its buffer once this returns.
+            shipped = asyncio.get_running_loop().create_future()
+            shipped.set_result(await _put(tensors))
+        adapter, previous = self._adapters.add(name, None, nbytes=tensors.data.nbytes)
+        self._packed[adapter.lora_id] = tensors
+        if shipped is not None:
+            self._shipped[adapter.lora_id] = shipped
+        return await self._add_everywhere(adapter, previous, adapter.nbytes, version)
 
-    async def _add_everywhere(self, adapter: Adapter, previous: Adapter | None, nbytes: int):
+    async def _add_everywhere(
+        self, adapter: Adapter, previous: Adapter | None, nbytes: int, version: str | None = None
+    ):
         limit = self._deadline.for_bytes(nbytes)
+        label = self._pool.weight_version
         loads = await self._pool.call_each(
-            lambda v: self._load(v, adapter), what="add_lora", deadline=limit
+            lambda v: self._load(v, adapter, version), what="add_lora", deadline=limit
         )
         if loads.errors or (loads.dead and not loads.results):
             await self._unload(adapter)
+            if version is not None:  # the replicas that took it keep their label
+                took = [v for v in self._pool.ready() if v.replica_id in loads.results]
+                await self._pool.call_all("set_weight_version", label, replicas=took)
             if previous is not None:
                 self._adapters.put(previous)
             else:
                 self._adapters.remove(adapter.name)
             loads.check(f"add_lora({adapter.name!r})")
+        if version is not None:
+            self._pool.relabel(str(version))
         if previous is not None:
             await self._unload(previous)
         return adapter.lora_id
@@ -99,12 +140,32 @@ class LoraServing:
         for adapter in self._adapters.live():
             await self._load(replica, adapter)
 
-    async def _load(self, replica: ReplicaView, adapter: Adapter) -> str | int:
+    async def _load(
+        self, replica: ReplicaView, adapter: Adapter, version: str | None = None
+    ) -> str | int:
         """``add_lora`` on one replica, with the files when its node cannot read the path;
-        ``add_lora_tensors`` with the packed tensors for an adapter from memory."""
+        ``add_lora_tensors`` with the packed tensors (and the label) for an adapter from
+        memory."""
         if adapter.in_memory:
+            packed = self._packed[adapter.lora_id]
+            if (
+                packed.shared is not None
+                and replica.node == self._pool.driver_ip
+                and replica.process not in self._unmapped
+            ):  # the replica maps the driver's memory: only the header crosses Ray
+                call = replica.handle.add_lora_tensors.remote(
+                    adapter, packed.header_only(), version
+                )
+                loaded = await call
+                if loaded is not None:
+                    return loaded
+                self._unmapped.add(replica.process)  # it may not: the object store then
+            if adapter.lora_id not in self._shipped:  # one object per version, put once
+                self._shipped[adapter.lora_id] = asyncio.ensure_future(
+                    _put(dataclasses.replace(packed, shared=None))
+                )
             packed = await self._shipped[adapter.lora_id]
-            return await replica.handle.add_lora_tensors.remote(adapter, packed)
+            return await replica.handle.add_lora_tensors.remote(adapter, packed, version)
         if adapter.shared or replica.node == self._pool.driver_ip:
             return await replica.handle.add_lora.remote(adapter)
         if adapter.lora_id not in self._shipped:  # one read, one object per version
@@ -117,6 +178,7 @@ class LoraServing:
 
     async def _unload(self, adapter: Adapter) -> None:
         self._shipped.pop(adapter.lora_id, None)
+        self._packed.pop(adapter.lora_id, None)
         await self._pool.call_all("remove_lora", adapter.lora_id)
 
 

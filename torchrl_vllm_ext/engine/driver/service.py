@@ -31,7 +31,7 @@ import ray
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._compat import vllm_engine_api
 from torchrl_vllm_ext.batches import RequestBatch
-from torchrl_vllm_ext.engine.adapters import AdapterRegistry
+from torchrl_vllm_ext.engine.adapters import AdapterRegistry, AdapterTensors
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.driver import cluster
 from torchrl_vllm_ext.engine.driver.control import (
@@ -406,15 +406,25 @@ class VLLMService:
         finally:
             self._publish()
 
-    async def _add_lora_tensors(self, name: str, tensors: dict, config: dict) -> int:
+    async def _add_lora_tensors(
+        self,
+        name: str,
+        tensors: dict | AdapterTensors,
+        config: dict | None = None,
+        version: str | int | None = None,
+    ) -> int:
         """Load a LoRA adapter from memory on every replica as ``name``; returns vLLM's id
         for it. ``tensors``: PEFT's saved names -> tensors (``get_peft_model_state_dict``),
-        ``config``: its ``LoraConfig`` as a dict. No file is written: the tensors reach
-        every replica, on any node, through Ray's object store, and its workers build the
-        adapter from them. Otherwise as :meth:`add_lora`.
+        ``config``: its ``LoraConfig`` as a dict; or both packed already
+        (:class:`~torchrl_vllm_ext.engine.adapters.AdapterTensors`, no ``config``). No
+        file is written: the tensors reach every replica, on any node, through Ray's
+        object store, and its workers build the adapter from them. ``version``: also
+        label every replica's weights ``version`` (as :meth:`set_weight_version`), each
+        in the same call as its load. Otherwise as :meth:`add_lora`.
         """
+        label = None if version is None else str(version)
         try:
-            return await self._lora.add_tensors(name, tensors, config)
+            return await self._lora.add_tensors(name, tensors, config, label)
         finally:
             self._publish()
 

@@ -328,16 +328,27 @@ class VLLMReplica(TorchRLActorCalls):
             ) from e
         return adapter.path
 
-    async def add_lora_tensors(self, adapter: Adapter, tensors: AdapterTensors) -> int:
+    async def add_lora_tensors(
+        self, adapter: Adapter, tensors: AdapterTensors, version: str | None = None
+    ) -> int | None:
         """Load a LoRA adapter from its tensors (no file: every worker builds it from the
-        buffer, :data:`WorkerMethods.ADD_LORA_TENSORS`) so requests can name it; returns
-        its bytes."""
+        buffer, :data:`WorkerMethods.ADD_LORA_TENSORS`) so requests can name it; then,
+        given a ``version``, label the weights so (an adapter push: one call, not two);
+        returns its bytes, or None when the tensors lie in the driver's shared memory and
+        this process may not map it (the driver then sends them through Ray)."""
+        if tensors.shared is not None:
+            if not tensors.shared.readable():
+                return None
+            # the workers map it too (once, then kept) and copy out of it
+            data: memoryview | tuple = tensors.shared.as_tuple()
+        else:
+            # a memoryview: no copy here (the workers copy it once; vLLM's RPC to an
+            # engine-core process sends it as bytes)
+            data = memoryview(tensors.data)
         try:
             await self.collective_rpc(
                 WorkerMethods.ADD_LORA_TENSORS,
-                # a memoryview: no copy here (the workers copy it once; vLLM's RPC to an
-                # engine-core process sends it as bytes)
-                (adapter.lora_id, adapter.name, tensors.header_json, memoryview(tensors.data)),
+                (adapter.lora_id, adapter.name, tensors.header_json, data),
             )
         except WeightSyncError as e:
             raise InvalidRequestError(
@@ -346,7 +357,9 @@ class VLLMReplica(TorchRLActorCalls):
                 "modules, and that the service was launched with enable_lora=True."
             ) from e
         self._memory_adapters.hold(adapter.lora_id)
-        return tensors.data.nbytes
+        if version is not None:
+            await self.set_weight_version(version)
+        return tensors.data.nbytes if tensors.shared is None else tensors.shared.nbytes
 
     async def remove_lora(self, lora_id: int) -> bool:
         """Unload adapter ``lora_id``; one from memory once the batches using it ended."""
