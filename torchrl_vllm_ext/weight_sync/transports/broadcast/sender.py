@@ -29,7 +29,11 @@ import torch
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.extensions import WorkerMethods
 from torchrl_vllm_ext.weight_sync.delta import WORTH_SHARE, diff_bucket
-from torchrl_vllm_ext.weight_sync.params import device_checksums, torch_dtype
+from torchrl_vllm_ext.weight_sync.params import (
+    device_checksums,
+    require_all_finite,
+    torch_dtype,
+)
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, to_json
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup, listen
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
@@ -95,6 +99,9 @@ class BroadcastTransport(Transport):
         self._committed: Packed | None = None  # for restarts, and the base of a delta
         self._slots = PackSlots()  # the trainer's buckets, re-packed in place push to push
         self._dtype = torch_dtype(options.delta_dtype) if options.delta_dtype else None
+        # Cast as packed: the packed buckets are checked for NaN / inf (half an fp32 push's
+        # bytes; a value past the served dtype's range is caught as the inf it becomes).
+        self.checks_finite = self._dtype is not None
         self._held: dict[tuple[int, int], str] = {}
         """(replica id, pid) -> the version its workers' receive buffers hold (what a delta
         changes); forgotten when the group is formed again (the workers drop them)."""
@@ -122,6 +129,8 @@ class BroadcastTransport(Transport):
                 self._committed,
                 self._dtype,
             )
+            if self.checks_finite:
+                await asyncio.to_thread(require_all_finite, packed.tensors())
             phases["pack"] = time.perf_counter() - t0
             base = self._delta_base(packed, replicas)
             if base is not None:
