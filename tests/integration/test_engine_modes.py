@@ -1,13 +1,17 @@
 """The two replica engines agree: vLLM's ``LLMEngine`` in the actor (CPU default) and
 ``AsyncLLM`` with its engine-core process (``engine_process=True``, GPU default).
 
-One ``AsyncLLM`` replica serves the module's tests (a launch is ~20 s on 2 cores); the
-last test shuts it down and checks what its shutdown removes.
+Two ``AsyncLLM`` replicas serve the module's tests (a replica's launch is ~20 s on 2
+cores), started as replicas sharing a GPU start (engine/driver/start_order.py: one after
+the other, the second with the KV-cache size the first logged), which the first test
+checks; the last test shuts them down and checks what a shutdown removes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import stat
 
 import numpy as np
@@ -29,16 +33,50 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 PARAMS = {"max_tokens": 8, "temperature": 1.0, "seed": 3, "logprobs": 0, "prompt_logprobs": 0}
 
 
+START_ORDER = "torchrl_vllm_ext.engine.driver.start_order"
+"""The logger of the start order (INFO: which replicas start now, with which size)."""
+
+
+class KeptRecords(logging.Handler):
+    """Every record of a logger, kept (caplog is per test; the service is the module's)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 @pytest.fixture(scope="module")
-def engine_process_service(tiny_model, ray_cluster):
-    """One replica whose ``AsyncLLM`` runs its engine core in a process of its own."""
-    svc = VLLMService.launch(
-        tiny_model,
-        num_replicas=1,
-        cpus_per_replica=CPUS_PER_REPLICA,
-        engine_process=True,
-        **ENGINE_KWARGS,
-    )
+def start_log():
+    """The start order's records while the module runs."""
+    logger, kept = logging.getLogger(START_ORDER), KeptRecords()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(kept)
+    yield kept.records
+    logger.removeHandler(kept)
+    logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def engine_process_service(tiny_model, ray_cluster, start_log):
+    """Two replicas whose ``AsyncLLM`` runs its engine core in a process of its own (its
+    start blocks the actor's event loop, as on GPU), forced into the start order of
+    replicas sharing a GPU."""
+    from torchrl_vllm_ext.engine.driver import pool as pool_module
+
+    with pytest.MonkeyPatch.context() as patch:  # as replicas sharing a GPU (at launch)
+        patch.setattr(pool_module, "orders_starts", lambda *args: True)
+        svc = VLLMService.launch(
+            tiny_model,
+            num_replicas=2,
+            cpus_per_replica=CPUS_PER_REPLICA,
+            engine_process=True,
+            health_check_interval=1.0,
+            **ENGINE_KWARGS,
+        )
     yield svc
     svc.shutdown()  # idempotent: the last test shut it down already
 
@@ -54,6 +92,45 @@ def engine_children(svc) -> list[str]:
     return [n for n in names if "EngineCore" in n]
 
 
+# The restart (an AsyncLLM start, ~20 s) is slow: a restart reuses the pinned size by
+# tests/unit/test_start_order.py::test_a_restart_reuses_the_size_and_waits_for_nobody,
+# passes through the same start as the follower's pinned one here, and every restart test
+# runs the pool's restart path by default.
+@pytest.mark.parametrize(
+    "restart", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["start", "restart"]
+)
+def test_replicas_sharing_a_gpu_start_with_the_size_the_first_logged(
+    engine_process_service, start_log, restart
+):
+    """The GPU start order on CPU engines: the first reports the KV-cache size its engine
+    logs from the actor's watch group while it starts; the other starts with that size; a
+    restart of the first reuses it."""
+    from ..helpers import wait_restarted
+
+    svc = engine_process_service
+    (key, pin), *others = svc.pool.start_gates.order.pins.items()
+    assert not others and key[1] == "*", "CPU actors see no device: one key per node"
+    # vLLM-CPU logs "Explicitly set (0.06/...) GiB": the size, rounded down.
+    assert 0.05 * (1 << 30) < pin.nbytes <= ENGINE_KWARGS["kv_cache_memory_bytes"]
+    follower = 1 - pin.measured_by
+    assert svc.replica_info(follower).kv_cache_bytes == pin.nbytes
+    assert (
+        svc.replica_info(pin.measured_by).kv_cache_bytes == (ENGINE_KWARGS["kv_cache_memory_bytes"])
+    )
+    messages = [r.getMessage() for r in start_log]
+    assert any(f"replicas [{follower}] start now" in m for m in messages), messages
+    assert len(svc.generate([[1, 2, 3]] * 4, {"max_tokens": 2})) == 4
+    if not restart:
+        return
+
+    old = svc.replica_info(pin.measured_by).pid
+    os.kill(old, signal.SIGKILL)
+    wait_restarted(svc, pin.measured_by, old)
+    assert svc.replica_info(pin.measured_by).kv_cache_bytes == pin.nbytes
+    line = f"replica {pin.measured_by} starts on GPU *@{key[0]} with kv_cache_memory_bytes"
+    assert any(r.getMessage().startswith(line) for r in start_log)
+
+
 def test_async_engine_replica_gives_the_in_process_replicas_tokens_and_logprobs(
     service, engine_process_service
 ):
@@ -61,7 +138,7 @@ def test_async_engine_replica_gives_the_in_process_replicas_tokens_and_logprobs(
     assert engine_children(service) == [], "CPU replicas run their engine in the actor"
 
     svc = engine_process_service
-    assert len(engine_children(svc)) == 1, "AsyncLLM runs an engine-core process"
+    assert len(engine_children(svc)) == svc.num_replicas, "AsyncLLM runs an engine-core process"
     separate = svc.generate_request_data(PROMPTS, PARAMS)
 
     # Same tokens; log-probs within the suite's exactness bound (fp32: the two engines
