@@ -226,20 +226,23 @@ class ShardedWeightSync:
                 )
             reference = scheme.arrival.served_dtype_name(ready)
         nbytes = sum(torch_dtype(shapes[n][1]).itemsize * math.prod(shapes[n][0]) for n in names)
+        # The scheme's slots hold its served dtype when delta pushes are on (its 1-process
+        # pushes write them so): the ranks' blocks are cast as they are written.
+        stored = scheme.delta_dtype if self.route == "storage" else None
         plan = {
             "version": version,
             "names": names,
             "nbytes": nbytes,
             "reference": reference,
             "probe": scheme.arrival.probe,
-            "specs": [[n, list(shapes[n][0]), shapes[n][1]] for n in names],
+            "specs": [[n, list(shapes[n][0]), stored or shapes[n][1]] for n in names],
         }
         if self.route == "broadcast":
             bucket_bytes = scheme.transport_impl.options.bucket_bytes
             plan["buckets"] = bucket_plan(plan["specs"], bucket_bytes)
         else:
             writer = scheme.transport_impl.writer
-            layout = tuple((n, tuple(shapes[n][0]), torch_dtype(shapes[n][1])) for n in names)
+            layout = tuple((n, tuple(s), torch_dtype(d)) for n, s, d in plan["specs"])
             plan["slot"], path = writer.idle(layout)
             plan["path"] = str(path)
         return plan
