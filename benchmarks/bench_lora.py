@@ -6,9 +6,10 @@ linear layer. Alternating each repeat, with no idle gap:
 
 * full: ``WeightSyncScheme(transport="storage").push(model)``: time to every replica
   serving the new weights, and the longest generation pause;
-* adapter: ``AdapterSync.push(peft_model)``: validate, then the tensors once into Ray's
-  object store and every replica's workers build the adapter from them (no file); vLLM
-  loads an adapter without pausing generation (pause 0);
+* adapter: ``AdapterSync.push(peft_model)``: pack into a shared-memory slot (a memfd, no
+  file) and validate there, then every replica (all on this node) maps it and its
+  workers build the adapter from it, labelling the version in the same call; vLLM loads
+  an adapter without pausing generation (pause 0);
 * generation tokens/s of the same batch with and without the adapter.
 
     python benchmarks/bench_lora.py [--repeats 5] [--rank 16]
