@@ -72,6 +72,10 @@ class ReplicaDirectory:
                 self._table = table
                 self._changed.notify_all()
 
+    async def latest(self) -> ReplicaTable:
+        """The table now (a handle catching up after its forwarded call)."""
+        return self._table
+
     async def watch(self, seen: int, timeout: float) -> ReplicaTable | None:
         """The table once it is newer than ``seen``; None if ``timeout`` passed first."""
         async with self._changed:

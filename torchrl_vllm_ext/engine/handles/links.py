@@ -92,9 +92,10 @@ class OwnerLink:
 class HandleLink:
     """A handle's way to its owner: forwarded calls through the directory's mailbox."""
 
-    def __init__(self, directory_actor, name: str):
+    def __init__(self, directory_actor, name: str, caught_up: Callable[[Any], None]):
         self.directory = directory_actor
         self._name = name
+        self._caught_up = caught_up
 
     def forward(self, name: str, args: tuple, kwargs: dict) -> Any:
         """Owner-only method ``name`` run by the owner; its answer or its error."""
@@ -104,7 +105,11 @@ class HandleLink:
             # In the object store, by reference: the directory only passes it on.
             call = [ray.put((name, args, kwargs))]
             request = ray.get(self.directory.submit.remote("call", call))
-            return ray.get(self.directory.result.remote(request))
+            answer = ray.get(self.directory.result.remote(request))
+            # Read your writes: what the call changed (a push's version) was published
+            # before the owner answered; take it now, not at the watcher's next poll.
+            self._caught_up(ray.get(self.directory.latest.remote()))
+            return answer
         except ray.exceptions.RayTaskError as e:
             raise actor_cause(e) from None
         except ray.exceptions.RayActorError as e:
@@ -129,13 +134,18 @@ def attach(cls: type, config, directory_actor, table, owner: str):
     pool = HandlePool(config, directory_actor, table)
     # A name of its own: request ids stay unique per engine.
     svc = cls(config, pool, name=f"{owner}-h{uuid.uuid4().hex[:4]}")
-    svc.follow(HandleLink(directory_actor, owner), table.adapters)
+    link = HandleLink(directory_actor, owner, lambda newer: svc.run(_apply(pool, newer)))
+    svc.follow(link, table.adapters)
     svc.run(_watch(pool))
     return svc
 
 
 async def _watch(pool: HandlePool) -> None:
     pool.start_watching()
+
+
+async def _apply(pool: HandlePool, table) -> None:
+    pool.apply(table)
 
 
 __all__ = ["HandleLink", "OwnerLink", "attach", "serve"]
