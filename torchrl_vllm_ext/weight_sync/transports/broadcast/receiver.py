@@ -136,7 +136,8 @@ class BroadcastReceiver:
                     self.buffers, self.held = [], None
                 error = WeightSyncError(
                     f"broadcast of weight version {header.version} was cut off after "
-                    f"{i} of {len(buffers)} buffers ({type(e).__name__}: "
+                    f"{i} of {len(buffers)} {'delta payloads' if header.base else 'buckets'} "
+                    f"({type(e).__name__}: "
                     f"{e}); nothing was loaded, this worker keeps serving its previous weights. "
                     "Push again: the next push forms a new group."
                 )
