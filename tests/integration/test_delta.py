@@ -69,7 +69,7 @@ def test_broadcast_deltas_through_a_rollback_and_a_restart_equal_a_full_push(bf1
         assert second.base == "1" and second.sent_share < 0.1, second.sent_share
         assert second.probe_gap  # checked by value, as every push here
         poisoned = {**masters, "model.norm.weight": masters["model.norm.weight"] / 0.0}
-        with pytest.raises(WeightSyncError, match="'model.norm.weight' contains NaN or inf"):
+        with pytest.raises(WeightSyncError, match=r"'model\.norm\.weight' contains NaN or inf"):
             scheme.push(poisoned, version=99)  # caught in the packed buckets, nothing sent
         # 3 reaches the replica's buffers, then its value check cannot run: rolled back
         with pytest.raises(WeightSyncError, match="could not be computed"):

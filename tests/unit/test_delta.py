@@ -9,7 +9,7 @@ import torch
 
 from torchrl_vllm_ext import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.weight_sync import delta as d
-from torchrl_vllm_ext.weight_sync.scheme import delta_dtype
+from torchrl_vllm_ext.weight_sync.transport_choice import delta_dtype
 from torchrl_vllm_ext.weight_sync.transports.packing import PackSlots, pack
 from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotReader, SlotWriter
 

@@ -123,6 +123,13 @@ class ArrivalCheck:
         # NOTE: vLLM serves a float32 checkpoint in bfloat16 under "auto" on GPUs.
         return "bfloat16" if configured == "auto" else configured
 
+    def served_dtype_or_mixed(self) -> str:
+        """:meth:`served_dtype_name` of the ready replicas, ``"mixed"`` when they differ."""
+        try:
+            return self.served_dtype_name(list(self.fleet.ready()))
+        except ConfigurationError:  # replicas of several dtypes: no one dtype
+            return "mixed"
+
     def verified(self) -> None:
         """A push (or its deferred check) passed."""
         self.verified_pushes += 1

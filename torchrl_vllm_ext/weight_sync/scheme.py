@@ -32,7 +32,6 @@ import warnings
 import weakref
 from pathlib import Path
 
-import ray
 import torch
 
 from torchrl_vllm_ext.deadlines import Deadline
@@ -46,6 +45,7 @@ from torchrl_vllm_ext.weight_sync.params import expected_specs, torch_dtype, val
 from torchrl_vllm_ext.weight_sync.report import SyncReport
 from torchrl_vllm_ext.weight_sync.sources import PushSource, full_push_source
 from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes, tracked_version
+from torchrl_vllm_ext.weight_sync.transport_choice import choose_transport, delta_dtype
 from torchrl_vllm_ext.weight_sync.transports import registry
 from torchrl_vllm_ext.weight_sync.transports.packing import DEFAULT_BUCKET_BYTES
 from torchrl_vllm_ext.weight_sync.transports.protocol import Replicas, TransportOptions
@@ -54,55 +54,6 @@ from torchrl_vllm_ext.weight_sync.verify import Reference
 logger = logging.getLogger(__name__)
 
 ROLLOUTS = ("parallel", "rolling")
-
-
-def choose_transport(fleet, requested: str, shared_dir) -> tuple[str, str]:
-    """Pick the transport for ``auto``; returns (transport, reason)."""
-    if requested not in registry.names():
-        raise ConfigurationError(f"transport={requested!r} is not one of {registry.names()}.")
-    if requested != "auto":
-        return requested, "requested explicitly"
-    if fleet.uses_gpu:
-        # Where the trainer's tensors are is known at the push: planned then (plan.py).
-        return "auto", "planned per replica at each push, by GPU UUID"
-    if shared_dir is not None:
-        return "storage", f"a shared directory was given ({shared_dir})"
-    here = ray.util.get_node_ip_address()
-    hosts = {r.node for r in fleet.ready()}
-    if hosts <= {here}:
-        return "storage", f"the trainer and every replica share host {here}"
-    return (
-        "broadcast",
-        f"replicas on other hosts {sorted(hosts - {here})} and no shared directory: gloo broadcast",
-    )
-
-
-DELTAS = ("auto", True, False)
-SIXTEEN_BIT = ("bfloat16", "float16")
-
-
-def delta_dtype(delta: bool | str, transport: str, served: str) -> str | None:
-    """The dtype a scheme's delta pushes compare in (the served one), or None: full pushes.
-
-    Examples:
-        >>> delta_dtype("auto", "broadcast", "bfloat16"), delta_dtype("auto", "storage", "float32")
-        ('bfloat16', None)
-    """
-    if delta not in DELTAS:
-        raise ConfigurationError(f"delta={delta!r} is not one of {DELTAS}.")
-    if delta is False:
-        return None
-    if transport not in registry.delta_names():
-        if delta is True:
-            raise ConfigurationError(
-                f"delta=True needs a transport that sends deltas {registry.delta_names()}; "
-                f"{transport!r} sends every byte. Pass one of those as transport=, or "
-                "delta='auto'."
-            )
-        return None
-    if delta == "auto" and served not in SIXTEEN_BIT:
-        return None  # float32 serving: a step changes nearly every value
-    return served
 
 
 class WeightSyncScheme:
@@ -198,11 +149,7 @@ class WeightSyncScheme:
         self.deadline = deadline
         self.service = service
         name, self._reason = choose_transport(self.fleet, transport, storage_dir)
-        try:
-            served = self.arrival.served_dtype_name(list(self.fleet.ready()))
-        except ConfigurationError:  # replicas of several dtypes: no one dtype to compare in
-            served = "mixed"
-        self.delta_dtype = delta_dtype(delta, name, served)
+        self.delta_dtype = delta_dtype(delta, name, self.arrival.served_dtype_or_mixed())
         """The dtype delta pushes compare in (None: every push is sent whole)."""
         self.transport_impl = registry.make_transport(
             name,
