@@ -32,6 +32,7 @@ import statistics
 import time
 
 import torch
+from devices import CPU_PUSH_SERVICE
 
 from torchrl_vllm_ext.weight_sync.transports import registry
 
@@ -172,12 +173,8 @@ def main(args) -> dict:
         out["dense_shares"] = dense_shares(args.dense_shares)
     with VLLMService.launch(
         model_dir,
-        num_replicas=2,
-        cpus_per_replica=1.0,
+        **CPU_PUSH_SERVICE,
         dtype="bfloat16",
-        max_model_len=256,
-        enforce_eager=True,
-        health_check_interval=0,
         worker_extension_cls=TESTING_WORKER_EXTENSION,
     ) as svc:
         for lr in args.lrs:

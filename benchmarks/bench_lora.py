@@ -27,6 +27,7 @@ import statistics
 import time
 
 import torch
+from devices import CPU_PUSH_SERVICE
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -71,12 +72,8 @@ def main(args) -> dict:
     with (
         VLLMService.launch(
             model_dir,
-            num_replicas=2,
-            cpus_per_replica=1.0,
+            **CPU_PUSH_SERVICE,
             dtype="float32",
-            max_model_len=256,
-            enforce_eager=True,
-            health_check_interval=0,
             enable_lora=True,
             max_lora_rank=max(16, args.rank),
             max_loras=3,

@@ -32,6 +32,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from devices import CPU_PUSH_SERVICE
 
 from torchrl_vllm_ext.weight_sync.sharded.routes import ROUTES as TRANSPORTS
 
@@ -128,15 +129,7 @@ def main(args) -> dict:
         "worlds": {},
     }
     ctx = multiprocessing.get_context("spawn")
-    with VLLMService.launch(
-        model_dir,
-        num_replicas=2,
-        cpus_per_replica=1.0,
-        dtype="float32",
-        max_model_len=256,
-        enforce_eager=True,
-        health_check_interval=0,
-    ) as svc:
+    with VLLMService.launch(model_dir, **CPU_PUSH_SERVICE, dtype="float32") as svc:
         for world in args.worlds:
             results = ctx.Queue()
             port = free_port("127.0.0.1")

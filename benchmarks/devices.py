@@ -18,6 +18,16 @@ GPU_SIZES = {"prompts": 256, "max_tokens": 256, "rounds": 5}
 """Default batch and rounds on a GPU (the CPU defaults stay each benchmark's own)."""
 GPU_MAX_MODEL_LEN = 512
 
+CPU_PUSH_SERVICE = {
+    "num_replicas": 2,
+    "cpus_per_replica": 1.0,
+    "max_model_len": 256,
+    "enforce_eager": True,
+    "health_check_interval": 0,
+}
+"""The two one-CPU replicas the weight-push benchmarks push into (sync, sharded, delta, lora;
+each gives its own ``dtype`` and extras)."""
+
 
 def on_gpu() -> bool:
     """Whether the benchmarks run on a GPU: CUDA is there and vLLM is a GPU build."""
