@@ -1,15 +1,19 @@
 """The README's main job and the tutorial notebooks, run as a user runs them.
 
-Each starts its own Ray cluster and replicas in a child process (the CLI, a Jupyter
-kernel), shortened by flags or environment variables so the suite stays quick.
+Each runs in a child process (the CLI, a Jupyter kernel) with its own Ray cluster and
+replicas, shortened by flags or environment variables so the suite stays quick. The
+module starts every selected test's child at once: their starts (imports, Ray, a replica's
+~15 s launch) overlap on the machine's cores, and each test then waits for its own.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,23 @@ import torch
 from tensordict import TensorDict
 
 TUTORIALS = Path(__file__).resolve().parents[2] / "tutorials"
+TIMEOUT_S = 600
+DEMO_STEPS = 30
+LORA_STEPS = 25
+
+NOTEBOOK_RUN = """
+import sys
+import nbformat
+from nbclient import NotebookClient
+path, cwd, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+nb = nbformat.read(path, as_version=4)
+NotebookClient(nb, timeout=timeout, kernel_name="python3",
+               resources={"metadata": {"path": cwd}}).execute()
+text = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
+print(text.strip().splitlines()[-1])
+"""
+"""Execute a notebook (argv: its path, its working directory, the per-cell timeout); the
+last line its last cell printed (a JSON summary) goes to stdout."""
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -26,27 +47,93 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_notebook(name: str, cwd: Path, timeout: float, **env: str) -> dict:
-    """Execute ``tutorials/<name>``; the JSON the last cell prints."""
-    import nbformat
-    from nbclient import NotebookClient
+@dataclass
+class Child:
+    """A child process started by the module; its output goes to files in ``out``."""
 
-    nb = nbformat.read(TUTORIALS / name, as_version=4)
-    client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
-    )
-    client.execute(env=child_env(**env))
-    text = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
-    return json.loads(text.strip().splitlines()[-1])
+    proc: subprocess.Popen
+    out: Path
+
+    def result(self) -> subprocess.CompletedProcess:
+        """Wait for it; its exit status and output."""
+        try:
+            rc = self.proc.wait(TIMEOUT_S)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+        stdout, stderr = ((self.out / n).read_text() for n in ("stdout", "stderr"))
+        return subprocess.CompletedProcess(self.proc.args, rc, stdout, stderr)
 
 
-def test_demo_trains_and_writes_its_outputs(tmp_path):
-    steps = 30
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchrl_vllm_ext.cli", "demo", "--steps", str(steps),
-         "--replicas", "1", "--output", str(tmp_path), "--no-progress"],
-        capture_output=True, text=True, timeout=600, env=child_env(), check=False,
-    )  # fmt: skip
+def start(args: list[str], out: Path, **env: str) -> Child:
+    with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, *args], stdout=stdout, stderr=stderr, text=True,
+            env=child_env(**env), cwd=out,
+        )  # fmt: skip
+    return Child(proc, out)
+
+
+def demo(out: Path, steps: int, *extra: str) -> Child:
+    """The demo CLI, writing into ``out / "run"``."""
+    args = ["-m", "torchrl_vllm_ext.cli", "demo", "--steps", str(steps), "--replicas", "1",
+            "--output", str(out / "run"), "--no-progress", *extra]  # fmt: skip
+    return start(args, out)
+
+
+def notebook(name: str, out: Path, **env: str) -> Child:
+    return start(["-c", NOTEBOOK_RUN, str(TUTORIALS / name), str(out), str(TIMEOUT_S)], out, **env)
+
+
+CHILDREN = {
+    "test_demo_trains_and_writes_its_outputs": lambda out: demo(out, DEMO_STEPS),
+    "test_demo_with_a_lora_adapter_pushes_only_the_adapter": lambda out: demo(
+        out, LORA_STEPS, "--lora-rank", "8"
+    ),
+    "test_grpo_notebook_runs_and_its_reward_rises[8]": lambda out: notebook(
+        "grpo.ipynb", out, GRPO_STEPS="8", GRPO_REPLICAS="1"
+    ),
+    "test_grpo_notebook_runs_and_its_reward_rises[40]": lambda out: notebook(
+        "grpo.ipynb", out, GRPO_STEPS="40", GRPO_REPLICAS="1"
+    ),
+    "test_tensordict_notebook_outputs_documented_keys": lambda out: notebook(
+        "tensordict_scripting.ipynb", out
+    ),
+}
+"""Each test's child, by test name."""
+
+
+@pytest.fixture(scope="module")
+def children(request, tmp_path_factory):
+    """The child of every test of this module that runs (selected, not skipped), started
+    at once; killed at the module's end if still running."""
+    running = {}
+    for item in request.session.items:
+        if item.module is request.module and not item.get_closest_marker("skip"):
+            out = tmp_path_factory.mktemp(re.sub(r"\W", "_", item.name))
+            running[item.name] = CHILDREN[item.name](out)
+    yield running
+    for child in running.values():
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait()
+
+
+@pytest.fixture
+def child(children, request) -> Child:
+    return children[request.node.name]
+
+
+def notebook_summary(child: Child) -> dict:
+    done = child.result()
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_demo_trains_and_writes_its_outputs(child):
+    steps, tmp_path = DEMO_STEPS, child.out / "run"
+    proc = child.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     for phase in ("generate", "score", "train", "sync"):
         assert phase in proc.stdout  # the printed step breakdown
@@ -81,10 +168,8 @@ def test_demo_trains_and_writes_its_outputs(tmp_path):
 # show the reward rise are slow (test_demo_trains_and_writes_its_outputs proves a GRPO run's
 # rise by default).
 @pytest.mark.parametrize("steps", [8, pytest.param(40, marks=pytest.mark.slow)])
-def test_grpo_notebook_runs_and_its_reward_rises(tmp_path, steps):
-    summary = run_notebook(
-        "grpo.ipynb", tmp_path, timeout=600, GRPO_STEPS=str(steps), GRPO_REPLICAS="1"
-    )
+def test_grpo_notebook_runs_and_its_reward_rises(child, steps):
+    summary = notebook_summary(child)
     assert summary["steps"] == steps
     assert summary["max_abs_kl_to_engine"] < 1e-4
     assert summary["kl_to_ref_end"] > 0  # the reference service kept the initial weights
@@ -93,9 +178,8 @@ def test_grpo_notebook_runs_and_its_reward_rises(tmp_path, steps):
         assert summary["reward_end"] > summary["reward_start"] + 0.3
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_tensordict_notebook_outputs_documented_keys(tmp_path):
-    summary = run_notebook("tensordict_scripting.ipynb", tmp_path, timeout=600)
+def test_tensordict_notebook_outputs_documented_keys(child):
+    summary = notebook_summary(child)
     for key in ("tokens.prompt", "tokens.response", "tokens.full", "log_probs.response",
                 "masks.all_attention_mask", "vllm.weight_version"):  # fmt: skip
         assert key in summary["tokens_padded"], key
@@ -106,13 +190,9 @@ def test_tensordict_notebook_outputs_documented_keys(tmp_path):
     assert summary["scoring_max_abs_diff"] < 1e-4
 
 
-def test_demo_with_a_lora_adapter_pushes_only_the_adapter(tmp_path):
-    steps = 25
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchrl_vllm_ext.cli", "demo", "--steps", str(steps),
-         "--replicas", "1", "--lora-rank", "8", "--output", str(tmp_path), "--no-progress"],
-        capture_output=True, text=True, timeout=600, env=child_env(), check=False,
-    )  # fmt: skip
+def test_demo_with_a_lora_adapter_pushes_only_the_adapter(child):
+    tmp_path = child.out / "run"
+    proc = child.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((tmp_path / "metrics.json").read_text())["summary"]
     assert s["transport"] == "adapter"
