@@ -1,26 +1,36 @@
-"""The README's main job and the tutorial notebooks, run as a user runs them.
+"""What a user runs as a program, run as a user runs it: the README's main job (the demo
+CLI), the script of ``examples/``, the sharded job of docs/guide/sharded.md and the
+tutorial notebooks.
 
-Each runs in a child process (the CLI, a Jupyter kernel) with its own Ray cluster and
-replicas, shortened by flags or environment variables so the suite stays quick. The
-module starts every selected test's child at once: their starts (imports, Ray, a replica's
-~15 s launch) overlap on the machine's cores, and each test then waits for its own.
+Each runs in a child process (the CLI, a script, a Jupyter kernel) with its own Ray
+cluster and replicas, shortened by flags, arguments or environment variables so the suite
+stays quick. The module starts every selected test's child at once: their starts (imports,
+Ray, a replica's ~15 s launch) overlap on the machine's cores, and each test then waits for
+its own.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from tensordict import TensorDict
 
-TUTORIALS = Path(__file__).resolve().parents[2] / "tutorials"
+from ..doc_examples import GUIDE, examples
+from ..helpers import ours_tagged, tagged_processes, trainer_env, wait_until
+
+ROOT = Path(__file__).resolve().parents[2]
+TUTORIALS, EXAMPLES = ROOT / "tutorials", ROOT / "examples"
 TIMEOUT_S = 600
 DEMO_STEPS = 30
 LORA_STEPS = 25
@@ -66,11 +76,13 @@ class Child:
         return subprocess.CompletedProcess(self.proc.args, rc, stdout, stderr)
 
 
-def start(args: list[str], out: Path, **env: str) -> Child:
+def start(args: list[str], out: Path, env: dict[str, str] | None = None, **extra: str) -> Child:
+    """``python *args`` in ``out`` (``env``: its whole environment, else the test's
+    without Ray's, plus ``extra``)."""
     with open(out / "stdout", "w") as stdout, open(out / "stderr", "w") as stderr:
         proc = subprocess.Popen(
             [sys.executable, *args], stdout=stdout, stderr=stderr, text=True,
-            env=child_env(**env), cwd=out,
+            env=env or child_env(**extra), cwd=out,
         )  # fmt: skip
     return Child(proc, out)
 
@@ -84,6 +96,30 @@ def demo(out: Path, steps: int, *extra: str) -> Child:
 
 def notebook(name: str, out: Path, **env: str) -> Child:
     return start(["-c", NOTEBOOK_RUN, str(TUTORIALS / name), str(out), str(TIMEOUT_S)], out, **env)
+
+
+COUNTDOWN_STEPS = 3
+TAG = f"test-example-{uuid.uuid4().hex[:8]}"
+"""The marker tag of the countdown example's directories and processes."""
+
+
+def countdown(out: Path) -> Child:
+    args = [str(EXAMPLES / "grpo_countdown.py"), "--steps", str(COUNTDOWN_STEPS),
+            "--replicas", "1", "--output", str(out / "run"), "--no-progress"]  # fmt: skip
+    return start(args, out, env=trainer_env(TAG))
+
+
+GUIDE_STEPS, SHARDED_STEPS = "steps=20,", "steps=4,"
+"""The sharded page's job runs 20 steps; the checks below hold from the first push on, so
+the test runs 4 (the 16 more took ~11 s on 2 cores)."""
+
+
+def sharded_job(out: Path) -> Child:
+    """The guide's sharded job as a script (it writes into ``out / "grpo_sharded"``)."""
+    (example,) = [e for e in examples(GUIDE / "sharded.md") if "run_grpo" in e.code]
+    assert example.code.count(GUIDE_STEPS) == 1, "the page's step count moved"
+    (out / "sharded_job.py").write_text(example.code.replace(GUIDE_STEPS, SHARDED_STEPS))
+    return start([str(out / "sharded_job.py")], out)
 
 
 CHILDREN = {
@@ -100,6 +136,8 @@ CHILDREN = {
     "test_tensordict_notebook_outputs_documented_keys": lambda out: notebook(
         "tensordict_scripting.ipynb", out
     ),
+    "test_grpo_countdown_trains_pushes_and_cleans_up": countdown,
+    "test_the_guide_job_trains_on_two_ranks_and_ends_them": sharded_job,
 }
 """Each test's child, by test name."""
 
@@ -201,3 +239,59 @@ def test_demo_with_a_lora_adapter_pushes_only_the_adapter(child):
     assert s["max_abs_kl_to_engine"] < 1e-4
     rollouts = TensorDict.load_memmap(tmp_path / "rollouts")
     assert torch.equal(rollouts["weight_version"], rollouts["step"])
+
+
+def test_grpo_countdown_trains_pushes_and_cleans_up(child):
+    """The script in ``examples/``: it trains, writes its metrics and leaves nothing behind."""
+    steps, out = COUNTDOWN_STEPS, child.out / "run"
+    proc = child.result()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{steps} steps in" in proc.stdout  # the summary line
+    metrics = json.loads((out / "metrics.json").read_text())
+    rows, summary = metrics["steps"], metrics["summary"]
+    assert [m["step"] for m in rows] == list(range(steps))
+    for m in rows:
+        # CountdownRewardParser's rewards: 0, 0.1 (format) or 1 (right answer).
+        assert 0.0 <= m["reward"] <= m["reward_max"] <= 1.0
+        assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])
+        # 2 problems x 4 samples of 1..24 tokens each.
+        assert 8 <= m["response_tokens"] <= 8 * 24
+        # Every sample came from the weights the trainer held when it scored them (the
+        # previous step's push): importance weights 1, no KL to the engine.
+        assert abs(m["ess"] - 1.0) < 1e-3 and abs(m["kl_to_inference"]) < 1e-3
+        assert m["step_s"] >= m["collect_s"] + m["train_s"] + m["sync_s"] > 0
+    # One push per step through the collector: TorchRL's version and the engine's agree.
+    assert [m["policy_version"] for m in rows] == list(range(1, steps + 1))
+    assert [m["weight_version"] for m in rows] == [str(v) for v in range(1, steps + 1)]
+    assert summary["final_policy_version"] == steps
+    assert summary["replica_weight_versions"] == {"0": str(steps)}
+    assert summary["steps_per_s"] > 0 and math.isfinite(summary["median_step_s"])
+    assert "pid=" in (out / "vllm.log").read_text()  # the replica's vLLM output
+    # Nothing left: no directory of ours in /dev/shm, no process of its Ray or replicas.
+    assert ours_tagged(TAG) == []
+    wait_until(lambda: not tagged_processes(TAG), 60, interval=0.5, what="its processes to exit")
+
+
+def test_the_guide_job_trains_on_two_ranks_and_ends_them(child):
+    """The GRPO job with its trainer sharded over two ranks (FSDP2, gloo): it starts its own
+    Ray cluster and replicas, and spawns rank 1."""
+    proc = child.result()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = child.out / "grpo_sharded"
+    metrics = json.loads((out / "metrics.json").read_text())
+    steps = metrics["config"]["steps"]
+    assert metrics["summary"]["trainer_ranks"] == 2
+    assert metrics["summary"]["transport"] == "storage"
+    # Every step's push reached the replicas: version k+1 after step k, and the next
+    # step's samples came from it (on-policy, as with one rank).
+    assert [s["weight_version"] for s in metrics["steps"]] == list(range(1, steps + 1))
+    rollouts = TensorDict.load_memmap(out / "rollouts")
+    assert torch.equal(rollouts["weight_version"], rollouts["step"])
+    # The replicas serve exactly what the sharded trainer holds.
+    assert metrics["summary"]["max_abs_kl_to_engine"] < 1e-4
+    # Rank 1 pushed every step, stopped when told and is gone.
+    log = (out / "torchrl-vllm.log").read_text() if (out / "torchrl-vllm.log").exists() else ""
+    log += proc.stdout + proc.stderr
+    assert f"trainer rank 1 done: {steps} steps, version {steps}" in log
+    (pid,) = re.findall(r"trainer-rank-1 \(pid (\d+)\) exited: 0", log)
+    assert not psutil.pid_exists(int(pid))
