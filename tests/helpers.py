@@ -49,15 +49,29 @@ def local_ray():
     """Ray through the package's own start-up (loopback only) for one test directory: each
     tier's conftest yields it from a package-scoped ``ray_cluster`` fixture, so tiers run
     alone or in any order (tests/cluster needs a process without Ray). Logical CPUs
-    beyond the 2 physical cores let fractional replicas scale in tests."""
+    beyond the 2 physical cores let fractional replicas scale in tests. Its CPU replicas
+    run without torch.compile, as the demo's (:func:`replicas_without_torch_compile`)."""
     import ray
 
     from torchrl_vllm_ext.engine.driver import cluster
 
-    owns = cluster.ensure_ray(num_cpus=4)
+    with replicas_without_torch_compile():
+        owns = cluster.ensure_ray(num_cpus=4)
     yield
     if owns:
         ray.shutdown()
+
+
+def replicas_without_torch_compile():
+    """While a test tier starts its Ray cluster: the CPU replicas Ray then starts skip the
+    one op vLLM-CPU compiles with inductor at a replica's first request, even under
+    ``enforce_eager`` (~2 s of every replica start with a warm inductor cache, ~12 s
+    without), as the demo's replicas do. Replicas on a GPU machine compile as users' do;
+    the child processes of tests/integration/test_user_runs.py and TRAINER_RUN start
+    their own clusters, as users do."""
+    from torchrl_vllm_ext.grpo.run import replicas_without_torch_compile as without
+
+    return without(gpu=torch.cuda.is_available())
 
 
 def launch(model, num_replicas: int = NUM_REPLICAS, **kwargs) -> VLLMService:

@@ -17,7 +17,7 @@ import ray
 
 from torchrl_vllm_ext.testing.loopback_cluster import LoopbackCluster, NodeSpec
 
-from ..helpers import LORA_KWARGS, WORKERS, launch_on_workers
+from ..helpers import LORA_KWARGS, WORKERS, launch_on_workers, replicas_without_torch_compile
 
 
 @pytest.fixture(scope="package")
@@ -29,7 +29,8 @@ def loopback():
         )
     saved = {k: os.environ.get(k) for k in LoopbackCluster.env()}
     os.environ.update(LoopbackCluster.env())
-    cluster = LoopbackCluster([NodeSpec(ip, 2, {"rollout": 2}) for ip in WORKERS]).start()
+    with replicas_without_torch_compile():
+        cluster = LoopbackCluster([NodeSpec(ip, 2, {"rollout": 2}) for ip in WORKERS]).start()
     try:
         yield cluster
     finally:
