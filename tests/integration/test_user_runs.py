@@ -4,7 +4,7 @@ tutorial notebooks.
 
 Each runs in a child process (the CLI, a script, a Jupyter kernel) with its own Ray
 cluster and replicas, shortened by flags, arguments or environment variables so the suite
-stays quick. The module runs the selected tests' children three at a time: their starts
+stays quick. The module runs the selected tests' children two at a time: their starts
 (imports, Ray, a replica's ~15 s launch) overlap on the machine's cores, and each test
 then waits for its own.
 """
@@ -12,6 +12,7 @@ then waits for its own.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,8 @@ from tensordict import TensorDict
 
 from ..doc_examples import GUIDE, examples
 from ..helpers import ours_tagged, tagged_processes, trainer_env, wait_until
+
+logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIALS, EXAMPLES = ROOT / "tutorials", ROOT / "examples"
@@ -58,15 +62,38 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+RAY_START_DEADLINE = "The current node timed out during startup"
+"""Ray's error when a new cluster's raylet does not register within its fixed 30 s
+(``ray/_private/node.py``; no setting changes it): children starting beside each other on
+a fresh 2-core machine hit it now and then (both notebooks once with 6 at once, the GRPO
+notebook once with 3)."""
+
+
 @dataclass
 class Child:
-    """A child process started by the module; its output goes to files in ``out``."""
+    """A child process started by the module; its output goes to files in ``out``.
+    ``again(out)`` starts the same child in another directory."""
 
     proc: subprocess.Popen
     out: Path
+    again: Callable[[Path], Child] | None = None
 
     def result(self) -> subprocess.CompletedProcess:
-        """Wait for it; its exit status and output."""
+        """Wait for it; its exit status and output. A child whose Ray cluster missed
+        :data:`RAY_START_DEADLINE` (at its Ray start, before any replica) runs once more."""
+        done = self._wait()
+        if done.returncode != 0 and RAY_START_DEADLINE in done.stderr and self.again:
+            logger.warning(
+                "%s: its Ray cluster missed Ray's start-up deadline; once more", self.out
+            )
+            again = self.out.with_name(self.out.name + "-again")
+            again.mkdir()
+            retry = self.again(again)
+            self.proc, self.out, self.again = retry.proc, retry.out, None
+            done = self._wait()
+        return done
+
+    def _wait(self) -> subprocess.CompletedProcess:
         try:
             rc = self.proc.wait(TIMEOUT_S)
         finally:
@@ -142,10 +169,9 @@ CHILDREN = {
 }
 """Each test's child, by test name, in the order they start (the longest first)."""
 
-MAX_RUNNING = 3
-"""Children running at once. Six at once on 2 cores overloaded a fresh machine: a child's
-raylet missed Ray's fixed 30-s start-up deadline ("The current node timed out during
-startup")."""
+MAX_RUNNING = 2
+"""Children running at once: more overload a fresh 2-core machine (see
+:data:`RAY_START_DEADLINE`)."""
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +196,7 @@ def children(request, tmp_path_factory):
                 if stop.wait(0.5):
                     return
             started[name] = CHILDREN[name](outs[name])
+            started[name].again = CHILDREN[name]
             ready[name].set()
 
     feeder = threading.Thread(target=feed, name="user-runs", daemon=True)
@@ -200,8 +227,8 @@ def notebook_summary(child: Child) -> dict:
 
 
 def test_demo_trains_and_writes_its_outputs(child):
-    steps, tmp_path = DEMO_STEPS, child.out / "run"
     proc = child.result()
+    steps, tmp_path = DEMO_STEPS, child.out / "run"
     assert proc.returncode == 0, proc.stderr[-3000:]
     for phase in ("generate", "score", "train", "sync"):
         assert phase in proc.stdout  # the printed step breakdown
@@ -259,8 +286,8 @@ def test_tensordict_notebook_outputs_documented_keys(child):
 
 
 def test_demo_with_a_lora_adapter_pushes_only_the_adapter(child):
-    tmp_path = child.out / "run"
     proc = child.result()
+    tmp_path = child.out / "run"
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((tmp_path / "metrics.json").read_text())["summary"]
     assert s["transport"] == "adapter"
@@ -273,8 +300,8 @@ def test_demo_with_a_lora_adapter_pushes_only_the_adapter(child):
 
 def test_grpo_countdown_trains_pushes_and_cleans_up(child):
     """The script in ``examples/``: it trains, writes its metrics and leaves nothing behind."""
-    steps, out = COUNTDOWN_STEPS, child.out / "run"
     proc = child.result()
+    steps, out = COUNTDOWN_STEPS, child.out / "run"
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"{steps} steps in" in proc.stdout  # the summary line
     metrics = json.loads((out / "metrics.json").read_text())
