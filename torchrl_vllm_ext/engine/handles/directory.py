@@ -72,10 +72,6 @@ class ReplicaDirectory:
                 self._table = table
                 self._changed.notify_all()
 
-    async def latest(self) -> ReplicaTable:
-        """The table now (a handle catching up after its forwarded call)."""
-        return self._table
-
     async def watch(self, seen: int, timeout: float) -> ReplicaTable | None:
         """The table once it is newer than ``seen``; None if ``timeout`` passed first."""
         async with self._changed:
@@ -113,13 +109,14 @@ class ReplicaDirectory:
         if fut is not None and not fut.done():
             fut.set_result((ok, value))
 
-    async def result(self, rid: int) -> Any:
-        """Wait for the owner's answer to request ``rid``; its value or its error."""
+    async def result(self, rid: int) -> tuple[Any, ReplicaTable]:
+        """Wait for the owner's answer to request ``rid``: its value (or its error), and
+        the table then (what the call changed was published before the owner answered)."""
         ok, value = await self._answers[rid]
         del self._answers[rid]
         if not ok:
             raise value
-        return value
+        return value, self._table
 
 
 def start_directory(name: str):

@@ -105,10 +105,10 @@ class HandleLink:
             # In the object store, by reference: the directory only passes it on.
             call = [ray.put((name, args, kwargs))]
             request = ray.get(self.directory.submit.remote("call", call))
-            answer = ray.get(self.directory.result.remote(request))
-            # Read your writes: what the call changed (a push's version) was published
-            # before the owner answered; take it now, not at the watcher's next poll.
-            self._caught_up(ray.get(self.directory.latest.remote()))
+            answer, table = ray.get(self.directory.result.remote(request))
+            # Read your writes: the table the call left (a push's version), taken now, not
+            # at the watcher's next poll (one round trip with the answer).
+            self._caught_up(table)
             return answer
         except ray.exceptions.RayTaskError as e:
             raise actor_cause(e) from None
