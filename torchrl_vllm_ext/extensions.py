@@ -65,6 +65,9 @@ class WorkerMethods:
     """(update_json: str) -> loaded version; open, verify, load (restarted replicas)."""
     WEIGHTS_INTACT = "weights_intact"
     """() -> False after a load that failed once it had begun writing the parameters."""
+    FORGET_SERVED = "forget_served_weights"
+    """() -> True; vLLM's level-2 sleep discarded the parameters: the next delta push is
+    loaded whole, not scattered into them."""
     RELEASE_IPC = "release_weight_ipc"
     """() -> whether it held any; drops this worker's mappings of the trainer's CUDA IPC
     buckets (kept from push to push while the trainer re-packs them in place)."""
@@ -78,6 +81,10 @@ class WorkerMethods:
     """(lora_id: int, name: str, header_json: str, data: bytes-like) -> True; builds a LoRA
     adapter from its tensors (``engine.adapters.AdapterTensors``: no file) and registers
     it, pinned, with the worker's LoRA manager (the replica's ``add_lora_tensors``)."""
+
+
+OWN_WORKER_METHODS = frozenset(v for k, v in vars(WorkerMethods).items() if k.isupper())
+"""Every worker method of ours: a worker call outside it may write the served weights."""
 
 
 class ActorMethods:

@@ -50,6 +50,10 @@ def served_sums(service) -> dict:
     return worker_calls(service, TestingMethods.CHECKSUMS)
 
 
+def load_paths(report) -> set[str]:
+    return {w["path"] for workers in report.loads.values() for w in workers}
+
+
 def assert_full_push_agrees(service, transport: str, weights, sums) -> None:
     """A full push of ``weights`` leaves every replica's parameters as ``sums`` says."""
     with WeightSyncScheme(service, transport=transport, delta=False) as full:
@@ -67,6 +71,7 @@ def test_broadcast_deltas_through_a_rollback_and_a_restart_equal_a_full_push(bf1
         masters = rl_step(masters, LR, seed=2)
         second = scheme.push(masters, version=2)
         assert second.base == "1" and second.sent_share < 0.1, second.sent_share
+        assert load_paths(second) == {"scatter"}  # only the changed values written
         assert second.probe_gap  # checked by value, as every push here
         poisoned = {**masters, "model.norm.weight": masters["model.norm.weight"] / 0.0}
         with pytest.raises(WeightSyncError, match=r"'model\.norm\.weight' contains NaN or inf"):
@@ -78,7 +83,8 @@ def test_broadcast_deltas_through_a_rollback_and_a_restart_equal_a_full_push(bf1
         fourth = scheme.push(masters, version=4)
         assert fourth.base is None  # the buffers held 3, which no replica loaded
         masters = rl_step(masters, LR, seed=5)
-        assert scheme.push(masters, version=5).base == "4"
+        fifth = scheme.push(masters, version=5)
+        assert fifth.base == "4" and load_paths(fifth) == {"scatter"}
         (rid,) = bf16.replica_ids
         old_pid, _ = kill_replica(bf16, rid, random.Random(0))
         bf16.check_health()  # found dead (no health checks here), restarted
@@ -88,6 +94,7 @@ def test_broadcast_deltas_through_a_rollback_and_a_restart_equal_a_full_push(bf1
         masters = rl_step(masters, LR, seed=7)
         seventh = scheme.push(masters, version=7)
         assert seventh.base == "6" and seventh.sent_share < 0.1
+        assert load_paths(seventh) == {"scatter"}
         sums = served_sums(bf16)
     assert_full_push_agrees(bf16, "broadcast", masters, sums)
 

@@ -199,8 +199,11 @@ def test_a_worker_rebuilds_each_version_from_its_buffers_and_refuses_another_bas
     assert receiver.held == "1"
     header, payloads = _delta_update(v2, v1)
     receiver.group[1].sent = payloads
-    named = dict(receiver._receive(header))
-    assert receiver.held == "2"
+    received = receiver._receive(header)
+    named = dict(received.named)
+    assert receiver.held == "2" and received.changes.base == "1"
+    changed = {n for c in received.changes.buckets for n in c.names}
+    assert changed and changed <= set(named)  # what the pause scatters (test_load_plan.py)
     assert all(torch.equal(named[n], t) for n, t in v2.tensors().items())
     header, payloads = _delta_update(v3, v1)  # a delta of 1, but the worker holds 2
     receiver.group[1].sent = payloads

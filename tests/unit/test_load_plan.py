@@ -8,15 +8,20 @@ model's own loader leaves."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
 
+from torchrl_vllm_ext.weight_sync.delta import apply_bucket, bucket_change, diff_bucket
+from torchrl_vllm_ext.weight_sync.loading.loads import Loads
 from torchrl_vllm_ext.weight_sync.loading.plan import View, content_sums, layout_of
 from torchrl_vllm_ext.weight_sync.loading.planned import PlannedLoader, model_state
 from torchrl_vllm_ext.weight_sync.loading.recorder import trace
-from torchrl_vllm_ext.weight_sync.transports.packing import pack
+from torchrl_vllm_ext.weight_sync.loading.scatter import Changes, contiguous, offset_copies
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed, pack
 
 H, FF, V, PAD = 8, 12, 10, 16  # hidden, intermediate, vocab, padded vocab
 
@@ -467,6 +472,117 @@ def test_a_view_spanning_two_packed_tensors_keeps_the_loader():
     packed = pack(dict(checkpoint(0)), "0")
     plan = plan_of(model, list(packed.tensors().items()))
     assert "q" in plan.loader
+
+
+# ---------------------------------------------------------------------- delta scatter
+def moved(named, seed: int, whole: str = "norm", still: str = "gate"):
+    """The next version of ``named``: a few values of each tensor changed, ``whole``
+    changed everywhere, ``still`` not at all."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, t in named:
+        t = t.clone()
+        flat = t.view(-1)
+        if name == whole:
+            flat += 1.0
+        elif name != still:
+            at = torch.randint(0, flat.numel(), (3,), generator=g)
+            flat[at] += 1.0
+        out.append((name, t))
+    return out
+
+
+def delta_into(held: Packed, new: Packed) -> Changes:
+    """What a broadcast receiver does with a delta of ``new`` against the buckets it
+    ``held`` (written into them): the changes handed to the pause."""
+    changed = []
+    for bucket, old, now in zip(new.header.buckets, held.buffers, new.buffers, strict=True):
+        delta, payload = diff_bucket(now, old, bucket, dense_share=0.5)
+        if payload.numel():
+            positions = apply_bucket(old, bucket, delta, payload)
+            changed.append(bucket_change(bucket, delta, old, positions))
+    assert [torch.equal(a, b) for a, b in zip(held.buffers, new.buffers, strict=True)]
+    return Changes(held.version, tuple(changed))
+
+
+SCATTERED = {
+    "fused": lambda: TinyDecoder(),
+    "tensor parallel": lambda: TinyDecoder(1, 2),  # down: strided columns, replayed whole
+    "bf16 from fp32": lambda: TinyDecoder(dtype=torch.bfloat16),
+    "loader keeps proj": lambda: Tainting("cast"),
+    "overlapping copies": lambda: Overlapping("two_copies"),
+}
+
+
+@pytest.mark.parametrize("make", list(SCATTERED))
+def test_a_delta_scattered_into_the_served_tensors_equals_a_full_load(make):
+    model = SCATTERED[make]()
+    loader = PlannedLoader()
+    state = lambda: model_state(model)  # noqa: E731
+    named = checkpoint(40)
+    held = pack(dict(named), "1", bucket_bytes=1024)  # the receiver's buffers
+    assert loader.load(model.load_weights, state, list(held.tensors().items())).path == "trace"
+    for version in (2, 3):
+        named = moved(named, seed=version)
+        changes = delta_into(held, pack(dict(named), str(version), bucket_bytes=1024))
+        expected = loaded_by_loader(model, named)
+        report = loader.scatter(model.load_weights, state, list(held.tensors().items()), changes)
+        assert report.path == "scatter"
+        assert report.replayed_bytes < report.nbytes // 2, report
+        assert_bitwise(model, expected)
+        held = Packed(dataclasses.replace(held.header, version=str(version)), held.buffers)
+
+
+def test_a_delta_after_the_loaders_load_or_of_another_layout_loads_whole():
+    model = TinyDecoder()
+    loader = PlannedLoader()
+    state = lambda: model_state(model)  # noqa: E731
+    held = pack(dict(checkpoint(41)), "1", bucket_bytes=1024)
+    named = list(held.tensors().items())
+    loader.load(model.load_weights, state, named)
+    changes = delta_into(held, pack(dict(moved(checkpoint(41), 2)), "2", bucket_bytes=1024))
+    loader.enabled = False
+    assert loader.load(model.load_weights, state, named).path == "loader"
+    loader.enabled = True
+    assert loader.scatter(model.load_weights, state, named, changes) is None
+    assert loader.load(model.load_weights, state, named).path == "replay"
+    other = pack(dict(checkpoint(41)), "x", dtype=torch.bfloat16)  # another layout
+    assert loader.scatter(model.load_weights, state, list(other.tensors().items()), changes) is None
+    assert loader.scatter(model.load_weights, state, named, changes) is None  # once only
+
+
+def test_the_worker_scatters_only_a_delta_of_the_version_its_parameters_hold():
+    model = TinyDecoder()
+    loads = Loads(SimpleNamespace(get_model=lambda: model))
+    named = checkpoint(42)
+    held = pack(dict(named), "1", bucket_bytes=1024)
+    assert loads.load(list(held.tensors().items()), "1").path == "trace"
+    named = moved(named, 2)
+    changes = delta_into(held, pack(dict(named), "2", bucket_bytes=1024))
+    assert loads.load(list(held.tensors().items()), "2", changes=changes).path == "scatter"
+    assert_bitwise(model, loaded_by_loader(model, named))
+    named = moved(named, 3)
+    changes = delta_into(held, pack(dict(named), "3", bucket_bytes=1024))
+    stale = dataclasses.replace(changes, base="0")  # not what the parameters hold
+    assert loads.load(list(held.tensors().items()), "3", changes=stale).path == "replay"
+    assert loads.forget_served()  # vLLM's level-2 sleep
+    assert loads.load(list(held.tensors().items()), "3", changes=changes).path == "replay"
+    assert_bitwise(model, loaded_by_loader(model, named))
+
+
+def test_copies_that_overlap_or_are_not_runs_are_not_offsets():
+    model = TinyDecoder(1, 2)
+    plan = plan_of(model, checkpoint(0))
+    offsets = dict(
+        zip(
+            [c.source for c in plan.copies],
+            offset_copies(plan.bind(model_state(model))),
+            strict=True,
+        )
+    )
+    assert offsets["q"] and offsets["gate"]  # rows of a fused parameter
+    assert not offsets["down"] and not offsets["proj"]  # columns; a transpose
+    assert contiguous(View(0, (1, 4), (99, 1))) and not contiguous(View(0, (2, 2), (1, 2)))
 
 
 # ---------------------------------------------------------------------- checksums

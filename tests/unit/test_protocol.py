@@ -39,6 +39,7 @@ PARAMS = {
     WorkerMethods.STAGE_IPC: ["update_json"],
     WorkerMethods.RECEIVE_IPC: ["update_json"],
     WorkerMethods.WEIGHTS_INTACT: [],
+    WorkerMethods.FORGET_SERVED: [],
     WorkerMethods.APPLY_STORAGE: ["path", "version"],
     WorkerMethods.APPLY_STAGED: ["version"],
     WorkerMethods.RELEASE_IPC: [],

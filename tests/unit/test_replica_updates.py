@@ -10,6 +10,9 @@ import pytest
 from torchrl_vllm_ext.engine.replica.actor import ReplicaSpec, VLLMReplica
 from torchrl_vllm_ext.engine.replica.engine import Engine
 from torchrl_vllm_ext.errors import PartialLoadError, WeightSyncError
+from torchrl_vllm_ext.extensions import WORKER_EXTENSION, WorkerMethods
+
+FORGET = WorkerMethods.FORGET_SERVED
 
 
 class RecordingEngine(Engine):
@@ -54,7 +57,7 @@ class RecordingEngine(Engine):
 
     async def collective_rpc(self, method, args=(), kwargs=None):
         self.calls.append(("load", method))
-        return [args[0]]  # one worker, which reports the version it loaded
+        return [args[0] if args else True]  # one worker: the version it loaded
 
     async def tokens_so_far(self, request_ids):
         return {}
@@ -80,7 +83,8 @@ class RecordingEngine(Engine):
 
 
 def replica() -> tuple[VLLMReplica, RecordingEngine]:
-    r = VLLMReplica(ReplicaSpec(replica_id=4, model="unused", engine_kwargs={}, in_process=True))
+    ours = {"worker_extension_cls": WORKER_EXTENSION}
+    r = VLLMReplica(ReplicaSpec(replica_id=4, model="unused", engine_kwargs=ours, in_process=True))
     r.engine = RecordingEngine()
     return r, r.engine
 
@@ -128,6 +132,8 @@ def test_level_2_sleep_then_weights_woken_loads_without_resuming():
 
     out = asyncio.run(run())
     assert not out["probe_now"]
+    # the weights were discarded: the worker loads the next delta whole
+    assert engine.calls.index(("sleep", 2)) + 1 == engine.calls.index(("load", FORGET))
     assert ("resume",) not in engine.calls, "a push must not resume a sleeping engine"
     assert engine.calls[-1] == ("wake_up", ["kv_cache"])
     assert not asyncio.run(r.is_sleeping())
@@ -185,3 +191,11 @@ def test_a_failed_load_resumes_only_weights_it_did_not_touch(intact):
     # Half-written weights never serve: the replica stays paused until it is restarted.
     assert (("resume",) in engine.calls) is intact
     assert engine.version == "0"
+
+
+def test_a_worker_call_not_of_ours_makes_the_next_delta_load_whole():
+    r, engine = replica()
+    asyncio.run(r.collective_rpc(WorkerMethods.WEIGHTS_INTACT))
+    assert ("load", FORGET) not in engine.calls
+    asyncio.run(r.collective_rpc("reload_weights"))  # may write the served weights
+    assert engine.calls[-2:] == [("load", "reload_weights"), ("load", FORGET)]

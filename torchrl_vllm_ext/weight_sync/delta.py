@@ -13,6 +13,8 @@ when more than :data:`DENSE_SHARE` of it changed. Plain functions over flat uint
 - :func:`apply_bucket` (receiver): the payload written into the base bucket it holds, as
   two batched calls (one ``_foreach_copy_`` of the whole tensors, one ``index_put_`` of the
   positions); the bucket's checksum, that of the whole new bucket, is then compared;
+- :func:`bucket_change` (receiver): what changed, for the pause to write only that into
+  the served parameters (:mod:`.loading.scatter`);
 
 Storage sends no deltas: its slots hold whole versions in the served dtype (half an fp32
 push's bytes). A slot is written in 4 KB pages, and at lr 1e-6 a page of 2048 bf16 values
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from torchrl_vllm_ext.weight_sync.loading.scatter import BucketChange
 from torchrl_vllm_ext.weight_sync.params import torch_dtype
 from torchrl_vllm_ext.weight_sync.specs import BucketDelta, BucketSpec
 
@@ -119,7 +122,8 @@ def diff_bucket(
         >>> delta.dense, delta.positions
         (((20, 2),), 1)
         >>> held = old.clone()
-        >>> apply_bucket(held, spec, delta, payload)
+        >>> apply_bucket(held, spec, delta, payload).tolist()  # the positions changed one by one
+        [2]
         >>> torch.equal(held, new)
         True
     """
@@ -156,9 +160,10 @@ def payload_bytes(bucket: BucketSpec, delta: BucketDelta) -> int:
 
 def apply_bucket(
     held: torch.Tensor, bucket: BucketSpec, delta: BucketDelta, payload: torch.Tensor
-) -> None:
+) -> torch.Tensor:
     """Write ``delta``'s ``payload`` into ``held`` (uint8, the base version's bucket):
-    one batched copy of the whole tensors, one ``index_put_`` of the changed positions."""
+    one batched copy of the whole tensors, one ``index_put_`` of the changed positions;
+    returns those positions (a view of ``payload``)."""
     w = words(held, bucket.dtype)
     itemsize = torch_dtype(bucket.dtype).itemsize
     n_dense = sum(n for _, n in delta.dense)
@@ -177,6 +182,25 @@ def apply_bucket(
         torch._foreach_copy_(dsts, srcs)
     if delta.positions:
         w.index_put_((positions,), values[n_dense:])
+    return positions
+
+
+def bucket_change(
+    bucket: BucketSpec, delta: BucketDelta, held: torch.Tensor, positions: torch.Tensor
+) -> BucketChange:
+    """What ``delta`` changed of ``bucket``, now in ``held`` (uint8): what the pause
+    scatters into the served parameters (``positions``: :func:`apply_bucket`'s)."""
+    spans = _spans(bucket)
+    dense = set(delta.dense)
+    return BucketChange(
+        names=tuple(spec.name for spec in bucket.tensors),
+        numels=tuple(n for _, n in spans),
+        values=held.view(torch_dtype(bucket.dtype)),
+        positions=positions,
+        whole=frozenset(
+            s.name for s, span in zip(bucket.tensors, spans, strict=True) if span in dense
+        ),
+    )
 
 
 def _round8(n: int) -> int:

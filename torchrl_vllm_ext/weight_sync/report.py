@@ -48,8 +48,9 @@ class SyncReport:
     with the pushed weights (0 for float32 replicas; None: not verified)."""
     loads: dict[int, list[dict]] = field(default_factory=dict)
     """Per replica, per worker: how it loaded (``path``: ``replay`` of its load plan,
-    ``trace`` on the first push of a layout, ``loader``, or ``layerwise`` for MoE /
-    quantized / CPU-packed models; ``nbytes``, ``replayed_bytes``, ``why``:
+    ``scatter`` of a delta's changed values through it, ``trace`` on the first push of a
+    layout, ``loader``, or ``layerwise`` for MoE / quantized / CPU-packed models;
+    ``nbytes``, ``replayed_bytes`` (a scatter's: the bytes it wrote), ``why``:
     :class:`~torchrl_vllm_ext.weight_sync.loading.planned.LoadReport`)."""
 
     sent_bytes: int = 0

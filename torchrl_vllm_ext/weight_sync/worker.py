@@ -84,6 +84,10 @@ class WeightSyncWorkerExtension:
         """False after a load that failed once it had begun writing the parameters."""
         return _of(self).loads.intact()
 
+    def forget_served_weights(self) -> bool:
+        """vLLM's level-2 sleep discarded the parameters: load the next delta whole."""
+        return _of(self).loads.forget_served()
+
     # storage
     def load_weights_from_storage(
         self, path: str, version: str | None = None, verified: bool = False

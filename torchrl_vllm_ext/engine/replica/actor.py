@@ -49,7 +49,7 @@ from torchrl_vllm_ext.errors import (
     ReplicaStartupError,
     WeightSyncError,
 )
-from torchrl_vllm_ext.extensions import WorkerMethods, load_class
+from torchrl_vllm_ext.extensions import OWN_WORKER_METHODS, WorkerMethods, load_class
 from torchrl_vllm_ext.messages import ReplicaInfo, ReplicaStats
 
 logger = logging.getLogger(__name__)
@@ -411,6 +411,8 @@ class VLLMReplica(TorchRLActorCalls):
         state = self._state.slept(level)
         await self._require_engine().sleep(level, mode)
         self._state = state
+        if level >= 2:  # the weights are discarded: what a load wrote is gone
+            await self._forget_served()
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what :meth:`sleep` freed (all, or ``tags``); scheduling resumes once
@@ -460,7 +462,22 @@ class VLLMReplica(TorchRLActorCalls):
                 "are refused (vLLM sends them only when VLLM_ALLOW_INSECURE_SERIALIZATION is on)."
             )
         refuse_v1_updater(method, f"replica {self.replica_id}")
-        return await self._worker_call(method, engine.collective_rpc(method, tuple(args), kwargs))
+        result = await self._worker_call(method, engine.collective_rpc(method, tuple(args), kwargs))
+        if method not in OWN_WORKER_METHODS:
+            # Not ours: it may write the weights (vLLM's reload_weights, a user's loader),
+            # so the next delta push is loaded whole, never scattered into them.
+            await self._forget_served()
+        return result
+
+    async def _forget_served(self) -> None:
+        """Tell the workers the parameters may no longer hold what the last load wrote
+        (a worker extension without the method keeps no load to forget)."""
+        if not self._engine_kwargs.get("worker_extension_cls"):
+            return
+        try:
+            await self.collective_rpc(WorkerMethods.FORGET_SERVED)
+        except WeightSyncError:
+            logger.debug("replica %d: the workers keep no load to forget", self.replica_id)
 
     async def _worker_call(self, method: str, call):
         """Await ``call`` (a call of worker ``method``), its failures as typed errors."""

@@ -13,6 +13,7 @@ in pinned host memory: :mod:`.staging`) is reserved at the first sync and kept.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -23,11 +24,21 @@ from torchrl_vllm_ext._compat import worker_reload_weights
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync import cpu_layout
 from torchrl_vllm_ext.weight_sync.loading.planned import LoadReport, PlannedLoader, model_state
+from torchrl_vllm_ext.weight_sync.loading.scatter import Changes
 from torchrl_vllm_ext.weight_sync.loading.staging import StagingArea, StagingPlace, staging_place
 
 logger = logging.getLogger(__name__)
 
 Named = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Received:
+    """A version a receiver produced: its tensors and, for a delta, what changed since the
+    base (the pause then writes only that, :mod:`.scatter`)."""
+
+    named: Named
+    changes: Changes | None = None
 
 
 @dataclass
@@ -36,7 +47,7 @@ class Staged:
 
     version: str
     thread: threading.Thread
-    result: Named | None = None
+    result: Received | None = None
     error: BaseException | None = None
 
 
@@ -60,14 +71,19 @@ class Loads:
     half-way leaves it set and the replica is not served (:meth:`intact`)."""
     in_place_of: tuple | None = None
     """``(model, whether it loads in place)``: asked once per model."""
+    served: str | None = None
+    """The version the parameters hold as a load plan wrote it (the base a delta may be
+    scattered into); None after any other load, a failed one, or vLLM's sleep."""
 
     # ------------------------------------------------------------------ staging
     def stage(self, version: str, produce) -> bool:
-        """Run ``produce() -> [(name, tensor)]`` in a thread while the engine keeps generating."""
+        """Run ``produce() -> [(name, tensor)] | Received`` in a thread while the engine
+        keeps generating."""
 
         def run():
             try:
-                staged.result = produce()
+                result = produce()
+                staged.result = result if isinstance(result, Received) else Received(result)
             except BaseException as e:  # reported by staged_ready / load_staged
                 staged.error = e
 
@@ -93,7 +109,7 @@ class Loads:
         self.staged = None
         if staged.error is not None:
             raise staged.error
-        named = staged.result
+        named = staged.result.named
         # Staged in pinned host memory for a GPU: one batched non-blocking copy, one sync
         # (a slot's own pages, not pinned, copy as they come).
         pinned = (
@@ -102,7 +118,7 @@ class Loads:
             and torch.cuda.is_available()
             and named[0][1].is_pinned()
         )
-        return self.load(named, version, non_blocking=pinned)
+        return self.load(named, version, non_blocking=pinned, changes=staged.result.changes)
 
     def _staged(self, version: str) -> Staged:
         if self.staged is None or self.staged.version != version:
@@ -130,20 +146,31 @@ class Loads:
         return staged
 
     # ------------------------------------------------------------------ loading
-    def load(self, named_tensors, version: str, non_blocking: bool = False) -> LoadReport:
+    def load(
+        self,
+        named_tensors,
+        version: str,
+        non_blocking: bool = False,
+        changes: Changes | None = None,
+    ) -> LoadReport:
         """Load ``named_tensors`` into the served parameters, in place where the model
-        allows (its loader, traced once per layout and replayed), else by vLLM's layerwise
-        reload; ``non_blocking``: they are in pinned host memory."""
+        allows (its loader, traced once per layout and replayed; a delta of the version
+        they hold: only what ``changes`` says changed), else by vLLM's layerwise reload;
+        ``non_blocking``: they are in pinned host memory."""
         named_tensors = list(named_tensors)
         model = self.worker.get_model()
+        base, self.served = self.served, None
         self.writing = version
+        report = None
         if self.in_place(model):
+            state = functools.partial(model_state, model)
+            if changes is not None and changes.base == base:
+                report = self.plans.scatter(model.load_weights, state, named_tensors, changes)
             # The model's own loader maps HF names onto fused/sharded parameters and
             # copies into them (replayed from its plan after the first push of a layout):
             # the served tensors stay where they are.
-            report = self.plans.load(
-                model.load_weights, lambda: model_state(model), named_tensors, non_blocking
-            )
+            if report is None:
+                report = self.plans.load(model.load_weights, state, named_tensors, non_blocking)
         else:
             # Packed (CPU oneDNN), expert (MoE) or quantized weights: vLLM's layerwise
             # reload redoes the post-load processing of every layer (and _compat what it
@@ -152,7 +179,15 @@ class Loads:
             nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
             report = LoadReport("layerwise", nbytes, why=_LAYERWISE)
         self.writing = None
+        if report.path in ("replay", "trace", "scatter"):
+            self.served = version
         return report
+
+    def forget_served(self) -> bool:
+        """The parameters no longer hold what the last load wrote (vLLM's sleep discarded
+        them): the next delta is loaded whole."""
+        self.served = None
+        return True
 
     def in_place(self, model) -> bool:
         """:func:`.cpu_layout.loads_in_place`, asked once per model."""

@@ -155,6 +155,8 @@ class BoundPlan:
     plan: LoadPlan
     tensors: dict[str, torch.Tensor]
     dsts: list[torch.Tensor]
+    scatter_map: object | None = None
+    """What :mod:`.scatter` derived from this plan (built at the first delta it loads)."""
 
     def valid(self, state: Mapping[str, torch.Tensor]) -> bool:
         """Whether every target of the model's live ``state`` still has the fingerprint

@@ -38,6 +38,7 @@ from torchrl_vllm_ext.weight_sync.loading.plan import (
     layout_of,
 )
 from torchrl_vllm_ext.weight_sync.loading.recorder import trace
+from torchrl_vllm_ext.weight_sync.loading.scatter import Changes, scatter
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +51,14 @@ class LoadReport:
     """How one worker loaded one push (plain data)."""
 
     path: str
-    """``replay`` (the plan), ``trace`` (the loader, recording the plan), ``loader`` (the
+    """``replay`` (the plan), ``scatter`` (a delta's changed elements through the plan),
+    ``trace`` (the loader, recording the plan), ``loader`` (the
     model's loader: plans off, or refused for this layout) or ``layerwise`` (vLLM's reload:
     MoE, quantized, CPU-packed models)."""
     nbytes: int
     """Bytes of the pushed tensors."""
     replayed_bytes: int = 0
-    """Of those, the bytes the plan copied (``replay`` only)."""
+    """Of those, the bytes the plan copied (``replay``; ``scatter``: the bytes written)."""
     why: str | None = None
     """Why the loader loaded (``loader``, ``layerwise``) or what it keeps (``replay``)."""
 
@@ -95,6 +97,9 @@ class PlannedLoader:
         self.enabled = enabled_by_env()
         self._plans: OrderedDict[tuple, LoadPlan | str] = OrderedDict()
         self._bound: dict[tuple, BoundPlan] = {}
+        self.written: tuple | None = None
+        """The layout whose plan the last load wrote through (replay, trace, scatter);
+        None after any other load (the loader's, a failed one)."""
 
     def plan(self, named: Sequence[tuple[str, torch.Tensor]]) -> LoadPlan | str | None:
         """The plan of ``named``'s layout, the reason it has none (a refusal), or None
@@ -105,6 +110,35 @@ class PlannedLoader:
         """Drop every plan (the next push of each layout is traced again)."""
         self._plans.clear()
         self._bound.clear()
+        self.written = None
+
+    def scatter(
+        self,
+        load: Loader,
+        state: Callable[[], Mapping[str, torch.Tensor]],
+        named: Sequence[tuple[str, torch.Tensor]],
+        changes: Changes,
+    ) -> LoadReport | None:
+        """Load ``named`` (a delta's new version) by writing only what ``changes`` says
+        changed (:mod:`.scatter`), or None (the caller loads it whole) unless the last
+        load wrote through this layout's plan, still bound to the same tensors. The caller
+        knows that the parameters held ``changes.base`` then and that nothing wrote them
+        since."""
+        written, self.written = self.written, None
+        key = layout_of(named)
+        bound = self._bound.get(key)
+        if not self.enabled or written != key or bound is None or not bound.valid(state()):
+            return None
+        named = list(named)
+        elements = scatter(bound, dict(named), changes)
+        kept = bound.plan.loader
+        if kept:
+            load(iter([(n, t) for n, t in named if n in kept]))
+        self.written = key
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        itemsize = max((t.element_size() for t in bound.tensors.values()), default=0)
+        why = f"the loader keeps {sorted(kept)}" if kept else None
+        return LoadReport("scatter", nbytes, elements * itemsize, why)
 
     def load(
         self,
@@ -118,6 +152,7 @@ class PlannedLoader:
         tensors are in pinned host memory (one batched non-blocking copy, one sync)."""
         named = list(named)
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        self.written = None
         if not self.enabled:
             load(iter(named))
             return LoadReport("loader", nbytes, why=f"load plans are off ({LOAD_PLAN_ENV}=0)")
@@ -135,6 +170,7 @@ class PlannedLoader:
                 self._bound[key] = bound
                 self._plans.move_to_end(key)
                 self._replay(load, bound, named, non_blocking)
+                self.written = key
                 kept = f"the loader keeps {sorted(plan.loader)}" if plan.loader else None
                 return LoadReport("replay", nbytes, plan.replayed_bytes, kept)
             logger.info(
@@ -180,6 +216,7 @@ class PlannedLoader:
             )
         self._remember(key, plan)
         self._bound[key] = bound
+        self.written = key
         logger.info(
             "load plan traced for %d pushed tensors: %d copies replay %.1f of %.1f MB as one "
             "batched copy%s%s",

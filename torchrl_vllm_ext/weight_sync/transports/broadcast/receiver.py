@@ -11,8 +11,9 @@ import logging
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.delta import apply_bucket, payload_bytes
-from torchrl_vllm_ext.weight_sync.loading.loads import Loads
+from torchrl_vllm_ext.weight_sync.delta import apply_bucket, bucket_change, payload_bytes
+from torchrl_vllm_ext.weight_sync.loading.loads import Loads, Received
+from torchrl_vllm_ext.weight_sync.loading.scatter import Changes
 from torchrl_vllm_ext.weight_sync.params import device_checksums
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import (
@@ -68,7 +69,8 @@ class BroadcastReceiver:
     def receive_weight_broadcast(self, header_json: str) -> str:
         """Receive every bucket of one update, verify all, then load; returns the version."""
         header = from_json(header_json, UpdateHeader)
-        self.loads.load(self._receive(header), header.version)
+        received = self._receive(header)
+        self.loads.load(received.named, header.version, changes=received.changes)
         return header.version
 
     def stage_weight_broadcast(self, header_json: str) -> bool:
@@ -76,7 +78,7 @@ class BroadcastReceiver:
         header = from_json(header_json, UpdateHeader)
         return self.loads.stage(header.version, lambda: self._receive(header))
 
-    def _receive(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:
+    def _receive(self, header: UpdateHeader) -> Received:
         """Every bucket of ``header``'s version, verified, as views of the receive buffers
         (which then hold that version: the base of the next delta)."""
         if header.base:
@@ -89,11 +91,12 @@ class BroadcastReceiver:
         self._verify(header, sums)
         self.held = header.version
         # Loaded in one reload: vLLM re-processes a layer once all its weights arrived.
-        return self._views(header)
+        return Received(self._views(header))
 
-    def _receive_delta(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:
+    def _receive_delta(self, header: UpdateHeader) -> Received:
         """A delta of the version these buffers hold: its payloads received, then written
-        into the buffers, which must then equal the new version's checksums."""
+        into the buffers, which must then equal the new version's checksums; what changed
+        goes with the tensors (the pause writes only that where it can)."""
         sizes = [payload_bytes(b, d) for b, d in zip(header.buckets, header.deltas, strict=True)]
         payloads = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes if n]
         self._collect(header, payloads)  # every payload is received before any check
@@ -105,13 +108,14 @@ class BroadcastReceiver:
                 "again: the next push sends every byte."
             )
         self.held = None
-        sent = iter(payloads)
+        sent, changed = iter(payloads), []
         for i, (bucket, delta) in enumerate(zip(header.buckets, header.deltas, strict=True)):
             if sizes[i]:
-                apply_bucket(self.buffers[i], bucket, delta, next(sent))
+                positions = apply_bucket(self.buffers[i], bucket, delta, next(sent))
+                changed.append(bucket_change(bucket, delta, self.buffers[i], positions))
         self._verify(header, None)
         self.held = header.version
-        return self._views(header)
+        return Received(self._views(header), Changes(header.base, tuple(changed)))
 
     def _collect(self, header: UpdateHeader, buffers: list[torch.Tensor]) -> torch.Tensor | None:
         """Receive ``buffers`` in order (and the int64 checksums that follow them, if the
