@@ -59,10 +59,10 @@ def broken_for(knob: str, version: str) -> set[str]:
 class BrokenLoads(Loads):
     """Loads that leave out what :data:`BREAK_LOADS_ENV` names for their version."""
 
-    def load(self, named_tensors, version: str, non_blocking: bool = False):
+    def load(self, named_tensors, version: str, non_blocking: bool = False, changes=None):
         broken = broken_for(os.environ.get(BREAK_LOADS_ENV, ""), version)
         if not broken:
-            return super().load(named_tensors, version, non_blocking)
+            return super().load(named_tensors, version, non_blocking, changes)
         logger.warning("test: not loading %s of version %s", sorted(broken), version)
         named = list(named_tensors)
         if FAIL_HALF_WAY not in broken:
