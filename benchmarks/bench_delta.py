@@ -16,7 +16,10 @@ adds the same probe to both systems).
 Per system: push wall time and the longest replica pause (medians), bytes moved
 (``SyncReport.sent_bytes``), and the share of bf16 values a step changed. ``--dense-shares``
 also times, on one 64 MB bf16 bucket, writing a share of changed values by position
-against copying the bucket whole (what ``delta.DENSE_SHARE`` rests on).
+against copying the bucket whole (what ``delta.DENSE_SHARE`` rests on); ``--scatter-shares``
+the pause writing a share of every tensor by position (``loading.scatter``) against a replay
+of the whole plan, on bf16 layers of the bench model's shapes (what
+``scatter.SCATTER_SHARE`` rests on).
 
     python benchmarks/bench_delta.py [--lrs 1e-6 1e-5] [--rounds 2] [--block 5]
 
@@ -162,6 +165,99 @@ def dense_shares(shares: list[float], mb: int = 64) -> dict:
     return out
 
 
+class _FusedLayers(torch.nn.Module):
+    """bf16 layers shaped as the bench model's (fused qkv and gate_up, as vLLM serves them),
+    loaded by a vLLM-style loader: what ``scatter_shares`` plans and scatters into."""
+
+    def __init__(self, layers: int, hidden: int, ff: int):
+        super().__init__()
+        self.hidden, self.ff = hidden, ff
+        shapes = {"qkv": (3 * hidden, hidden), "gate_up": (2 * ff, hidden)}
+        shapes.update({"down": (hidden, ff), "o": (hidden, hidden)})
+        self.p = torch.nn.ParameterDict(
+            {
+                f"{kind}{i}": torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16), False)
+                for i in range(layers)
+                for kind, shape in shapes.items()
+            }
+        )
+
+    def checkpoint(self, layers: int) -> dict[str, torch.Tensor]:
+        h, ff = self.hidden, self.ff
+        shapes = {"q": (h, h), "k": (h, h), "v": (h, h), "gate": (ff, h), "up": (ff, h)}
+        shapes.update({"down": (h, ff), "o": (h, h)})
+        g = torch.Generator().manual_seed(0)
+        return {
+            f"{kind}.{i}": torch.randn(shape, generator=g).to(torch.bfloat16)
+            for i in range(layers)
+            for kind, shape in shapes.items()
+        }
+
+    def load_weights(self, weights) -> None:
+        rows = {"q": ("qkv", 0), "k": ("qkv", 1), "v": ("qkv", 2), "gate": ("gate_up", 0)}
+        rows["up"] = ("gate_up", 1)
+        for name, w in weights:
+            kind, layer = name.split(".")
+            if kind in rows:
+                target, at = rows[kind]
+                self.p[f"{target}{layer}"].data.narrow(0, at * w.shape[0], w.shape[0]).copy_(w)
+            else:
+                self.p[f"{kind}{layer}"].data.copy_(w)
+
+
+def scatter_shares(shares: list[float], layers: int, hidden: int, repeats: int = 3) -> dict:
+    """Seconds for the pause to write a delta changing ``share`` of every tensor by position
+    (``loading.scatter``, every tensor scattered) against replaying the whole plan: what
+    ``scatter.SCATTER_SHARE`` rests on. Medians of ``repeats``, alternating."""
+    from torchrl_vllm_ext.weight_sync import delta
+    from torchrl_vllm_ext.weight_sync.loading import scatter
+    from torchrl_vllm_ext.weight_sync.loading.planned import PlannedLoader, model_state
+    from torchrl_vllm_ext.weight_sync.transports.packing import pack
+
+    model = _FusedLayers(layers, hidden, ff=hidden * 27 // 5)
+    named = model.checkpoint(layers)
+    loader, state = PlannedLoader(), lambda: model_state(model)
+    held = pack(named, "0", bucket_bytes=64 << 20)
+    items = list(held.tensors().items())
+    loader.load(model.load_weights, state, items)  # traced: every later load replays
+    share_was, scatter.SCATTER_SHARE = scatter.SCATTER_SHARE, 1.0
+    out = {}
+    try:
+        for share in shares:
+            g = torch.Generator().manual_seed(int(share * 1e6))
+            new = {}
+            for name, t in named.items():
+                t = t.clone().view(-1)
+                at = torch.randint(0, t.numel(), (max(1, int(share * t.numel())),), generator=g)
+                t.view(torch.int16)[at] += 1
+                new[name] = t.view(named[name].shape)
+            packed = pack(new, "1", bucket_bytes=64 << 20)
+            changed = []
+            buckets = zip(packed.header.buckets, held.buffers, packed.buffers, strict=True)
+            for bucket, old, now in buckets:
+                sparse, payload = delta.diff_bucket(now, old.clone(), bucket, dense_share=1.0)
+                positions, values = delta.apply_bucket(old.clone(), bucket, sparse, payload)
+                changed.append(delta.bucket_change(bucket, sparse, positions, values))
+            changes = scatter.Changes("0", tuple(changed))
+            times = {"replay_s": [], "scatter_s": []}
+            for r in range(repeats):
+                for system in (
+                    ("replay_s", "scatter_s") if r % 2 == 0 else ("scatter_s", "replay_s")
+                ):
+                    loader.load(model.load_weights, state, items)  # the base, as a plan wrote it
+                    t0 = time.perf_counter()
+                    if system == "replay_s":
+                        loader.load(model.load_weights, state, items)
+                    else:
+                        loader.scatter(model.load_weights, state, items, changes)
+                    times[system].append(time.perf_counter() - t0)
+            out[share] = {k: statistics.median(v) for k, v in times.items()}
+            out[share]["positions"] = sum(c.positions.numel() for c in changed)
+    finally:
+        scatter.SCATTER_SHARE = share_was
+    return out
+
+
 def main(args) -> dict:
     from torchrl_vllm_ext import VLLMService
     from torchrl_vllm_ext.testing import make_tiny_model
@@ -171,6 +267,8 @@ def main(args) -> dict:
     out = {"benchmark": "delta_push", "lrs": {}}
     if args.dense_shares:
         out["dense_shares"] = dense_shares(args.dense_shares)
+    if args.scatter_shares:
+        out["scatter_shares"] = scatter_shares(args.scatter_shares, args.layers, args.hidden)
     with VLLMService.launch(
         model_dir,
         **CPU_PUSH_SERVICE,
@@ -215,6 +313,13 @@ if __name__ == "__main__":
         nargs="*",
         default=[0.02, 0.1, 0.25, 0.5],
         help="time writing these shares of a bucket by position against whole",
+    )
+    parser.add_argument(
+        "--scatter-shares",
+        type=float,
+        nargs="*",
+        default=[0.001, 0.003, 0.01, 0.02],
+        help="time the pause scattering these shares of every tensor against a replay",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

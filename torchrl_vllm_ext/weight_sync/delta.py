@@ -122,8 +122,8 @@ def diff_bucket(
         >>> delta.dense, delta.positions
         (((20, 2),), 1)
         >>> held = old.clone()
-        >>> apply_bucket(held, spec, delta, payload).tolist()  # the positions changed one by one
-        [2]
+        >>> [t.tolist() for t in apply_bucket(held, spec, delta, payload)]  # a's changed value
+        [[2], [5.0]]
         >>> torch.equal(held, new)
         True
     """
@@ -160,10 +160,11 @@ def payload_bytes(bucket: BucketSpec, delta: BucketDelta) -> int:
 
 def apply_bucket(
     held: torch.Tensor, bucket: BucketSpec, delta: BucketDelta, payload: torch.Tensor
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Write ``delta``'s ``payload`` into ``held`` (uint8, the base version's bucket):
     one batched copy of the whole tensors, one ``index_put_`` of the changed positions;
-    returns those positions (a view of ``payload``)."""
+    returns those positions and their values (views of ``payload``, the values in the
+    bucket's dtype)."""
     w = words(held, bucket.dtype)
     itemsize = torch_dtype(bucket.dtype).itemsize
     n_dense = sum(n for _, n in delta.dense)
@@ -182,21 +183,21 @@ def apply_bucket(
         torch._foreach_copy_(dsts, srcs)
     if delta.positions:
         w.index_put_((positions,), values[n_dense:])
-    return positions
+    return positions, values[n_dense:].view(torch_dtype(bucket.dtype))
 
 
 def bucket_change(
-    bucket: BucketSpec, delta: BucketDelta, held: torch.Tensor, positions: torch.Tensor
+    bucket: BucketSpec, delta: BucketDelta, positions: torch.Tensor, values: torch.Tensor
 ) -> BucketChange:
-    """What ``delta`` changed of ``bucket``, now in ``held`` (uint8): what the pause
-    scatters into the served parameters (``positions``: :func:`apply_bucket`'s)."""
+    """What ``delta`` changed of ``bucket``: what the pause scatters into the served
+    parameters (``positions``, ``values``: :func:`apply_bucket`'s)."""
     spans = _spans(bucket)
     dense = set(delta.dense)
     return BucketChange(
         names=tuple(spec.name for spec in bucket.tensors),
         numels=tuple(n for _, n in spans),
-        values=held.view(torch_dtype(bucket.dtype)),
         positions=positions,
+        values=values,
         whole=frozenset(
             s.name for s, span in zip(bucket.tensors, spans, strict=True) if span in dense
         ),

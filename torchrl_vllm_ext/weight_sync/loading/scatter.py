@@ -29,10 +29,10 @@ class BucketChange:
     """The bucket's tensors, in order."""
     numels: tuple[int, ...]
     """Their elements."""
-    values: torch.Tensor
-    """The bucket's elements after the delta (1-D, its dtype: a view of the buffer)."""
     positions: torch.Tensor
     """Elements changed one by one (ascending, positions in the bucket)."""
+    values: torch.Tensor
+    """Their new values, in the same order (1-D, the bucket's dtype)."""
     whole: frozenset[str] = frozenset()
     """Tensors the delta sent whole."""
 
@@ -45,21 +45,36 @@ class Changes:
     buckets: tuple[BucketChange, ...]
 
 
+SCATTER_SHARE = 0.005
+"""A tensor with more than this share of its elements changed is copied whole in the pause.
+Writing an element by position costs ~100x copying one: on 2 cores, 24 bf16 layers of the
+bench model's shapes (199M elements), a scatter of 0.1% of every tensor took 8 ms against
+a replay's 25 ms, 0.3% 14 ms against 26 ms, 1% 24 ms against 22 ms
+(``benchmarks/bench_delta.py --scatter-shares``, 2026-11-29)."""
+
+
+@dataclass(frozen=True)
+class _Offset:
+    """A tensor's one offset copy: the elements of the tensor it reads (``lo`` to ``hi``),
+    the offset to add to one (tensor position -> served position) and the served tensor."""
+
+    lo: int
+    hi: int
+    shift: int
+    target: torch.Tensor
+
+
 @dataclass
 class _Table:
-    """One bucket layout mapped through one bound plan, per tensor of the bucket: the bucket
-    positions its one offset copy reads (``lo`` to ``hi``; empty: not mapped),
-    the offset to add (``shift``: bucket position -> served position) and the served
-    tensor's index (``target``)."""
+    """One bucket layout mapped through one bound plan: each tensor's first element in the
+    bucket (``starts``, and as a tensor for the search), elements, and offset copy (None:
+    its copies, ``unmapped``, are replayed whole when it changed)."""
 
-    ends: torch.Tensor
-    lo: torch.Tensor
-    hi: torch.Tensor
-    shift: torch.Tensor
-    target: torch.Tensor
-    unmapped: list[list[int] | None]
-    """Each tensor's copies (indices into the plan's) when it is not mapped: replayed whole
-    when it changed."""
+    starts: list[int]
+    numels: tuple[int, ...]
+    first: torch.Tensor
+    offsets: list[_Offset | None]
+    unmapped: list[list[int]]
 
 
 @dataclass
@@ -124,35 +139,27 @@ def offset_copies(bound: BoundPlan) -> list[bool]:
     return ok
 
 
-def _table(bound: BoundPlan, names: tuple[str, ...], numels: tuple[int, ...]) -> _Table:
+def _table(bound: BoundPlan, change: BucketChange) -> _Table:
     known = ScatterMap.of(bound)
-    cached = known.tables.get(names)
+    cached = known.tables.get(change.names)
     if cached is not None:
         return cached
-    targets = {name: i for i, name in enumerate(bound.tensors)}
-    rows, unmapped, at = [], [], 0
-    for name, numel in zip(names, numels, strict=True):
+    starts, offsets, unmapped, at = [], [], [], 0
+    for name, numel in zip(change.names, change.numels, strict=True):
         mine = known.by_source.get(name, [])
         if len(mine) == 1 and known.offset[mine[0]]:
             one: Copy = bound.plan.copies[mine[0]]
-            lo = at + one.src.offset
-            rows.append((lo, lo + one.src.numel, one.dst.offset - lo, targets[one.target]))
-            unmapped.append(None)
+            lo, flat = one.src.offset, bound.tensors[one.target].view(-1)
+            offsets.append(_Offset(lo, lo + one.src.numel, one.dst.offset - lo, flat))
+            unmapped.append([])
         else:  # no copy (the loader's, skipped), or several, or one not an offset
-            rows.append((0, 0, 0, -1))
+            offsets.append(None)
             unmapped.append(mine)
+        starts.append(at)
         at += numel
-    device = next(iter(bound.tensors.values())).device
-    ints = torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).to(device)
-    table = _Table(
-        ends=torch.tensor(numels, dtype=torch.int64).cumsum(0).to(device),
-        lo=ints[:, 0],
-        hi=ints[:, 1],
-        shift=ints[:, 2],
-        target=ints[:, 3],
-        unmapped=unmapped,
-    )
-    known.tables[names] = table
+    first = torch.tensor(starts, dtype=change.positions.dtype, device=change.positions.device)
+    table = _Table(starts, change.numels, first, offsets, unmapped)
+    known.tables[change.names] = table
     return table
 
 
@@ -163,47 +170,50 @@ def scatter(bound: BoundPlan, named: dict[str, torch.Tensor], changes: Changes) 
     """
     whole: set[int] = set()
     by_source = ScatterMap.of(bound).by_source
-    found: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    written = 0
     for change in changes.buckets:
         for name in change.whole:
             whole.update(by_source.get(name, ()))
         if change.positions.numel():
-            _map_bucket(bound, change, whole, found)
-    written = 0
+            written += _scatter_bucket(bound, change, whole)
     if whole:
         order = sorted(whole)  # the plan's order: overlapping copies land as a replay's
         dsts = [bound.dsts[i] for i in order]
         srcs = [bound.plan.copies[i].src.on(named[bound.plan.copies[i].source]) for i in order]
         torch._foreach_copy_(dsts, srcs)
         written += sum(d.numel() for d in dsts)
-    served = list(bound.tensors.values())
-    for t, parts in found.items():
-        flat = served[t].view(-1)
-        index = torch.cat([p[0] for p in parts]).to(flat.device)
-        values = torch.cat([p[1] for p in parts]).to(flat.device, flat.dtype)
-        flat.index_put_((index,), values)
+    return written
+
+
+def _scatter_bucket(bound: BoundPlan, change: BucketChange, whole: set[int]) -> int:
+    """Write ``change``'s positions of its offset-mapped tensors into the served ones, one
+    ``index_copy_`` per tensor (its positions are one run of the sorted positions: one
+    search per tensor, none per position); the copies of the others, and of tensors
+    changed past :data:`SCATTER_SHARE`, go whole (into ``whole``). Returns elements written."""
+    table = _table(bound, change)
+    positions = change.positions
+    cuts = [*torch.searchsorted(positions, table.first).tolist(), positions.numel()]  # one sync
+    written = 0
+    for i, offset in enumerate(table.offsets):
+        a, b = cuts[i], cuts[i + 1]
+        if a == b:
+            continue
+        if offset is None or b - a > SCATTER_SHARE * table.numels[i]:
+            whole.update(table.unmapped[i] or by_source_of(bound, change.names[i]))
+            continue
+        start = table.starts[i]
+        mine, values = positions[a:b], change.values[a:b]
+        if offset.lo or offset.hi < table.numels[i]:  # the copy reads part of the tensor
+            bounds = mine.new_tensor([start + offset.lo, start + offset.hi])
+            lo, hi = torch.searchsorted(mine, bounds).tolist()
+            mine, values = mine[lo:hi], values[lo:hi]
+        target = offset.target
+        index = mine.to(torch.int64).add_(offset.shift - start).to(target.device)
+        target.index_copy_(0, index, values.to(target.device, target.dtype))
         written += index.numel()
     return written
 
 
-def _map_bucket(bound: BoundPlan, change: BucketChange, whole: set[int], found: dict) -> None:
-    """The served positions and values of ``change``'s positions, by served tensor (into
-    ``found``); the copies of tensors that cannot be mapped go whole (into ``whole``)."""
-    table = _table(bound, change.names, change.numels)
-    positions = change.positions.to(device=table.ends.device, dtype=torch.int64)
-    owner = torch.searchsorted(table.ends, positions, right=True)
-    counts = torch.bincount(owner, minlength=len(change.names)).tolist()
-    for n, copies in zip(counts, table.unmapped, strict=True):
-        if n and copies:
-            whole.update(copies)
-    keep = (positions >= table.lo[owner]) & (positions < table.hi[owner])
-    owner, positions = owner[keep], positions[keep]
-    target = table.target[owner]
-    index = positions + table.shift[owner]
-    values = change.values[positions.to(change.values.device)]
-    order = torch.argsort(target, stable=True)
-    per_target = torch.bincount(target, minlength=len(bound.tensors)).tolist()
-    pieces = zip(index[order].split(per_target), values[order].split(per_target), strict=True)
-    for t, (i, v) in enumerate(pieces):
-        if per_target[t]:
-            found.setdefault(t, []).append((i, v))
+def by_source_of(bound: BoundPlan, name: str) -> list[int]:
+    """The copies of pushed tensor ``name`` (indices into the plan's)."""
+    return ScatterMap.of(bound).by_source.get(name, [])

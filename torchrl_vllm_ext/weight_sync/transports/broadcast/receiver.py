@@ -111,8 +111,8 @@ class BroadcastReceiver:
         sent, changed = iter(payloads), []
         for i, (bucket, delta) in enumerate(zip(header.buckets, header.deltas, strict=True)):
             if sizes[i]:
-                positions = apply_bucket(self.buffers[i], bucket, delta, next(sent))
-                changed.append(bucket_change(bucket, delta, self.buffers[i], positions))
+                positions, values = apply_bucket(self.buffers[i], bucket, delta, next(sent))
+                changed.append(bucket_change(bucket, delta, positions, values))
         self._verify(header, None)
         self.held = header.version
         return Received(self._views(header), Changes(header.base, tuple(changed)))
