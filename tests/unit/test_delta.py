@@ -216,3 +216,25 @@ def test_a_worker_rebuilds_each_version_from_its_buffers_and_refuses_another_bas
     with pytest.raises(WeightSyncError, match="after its delta"):
         receiver._receive(header)
     assert receiver.held is None  # nothing whole: the next delta is refused too
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_deltas_checksums_are_its_bases_plus_what_changed(dtype):
+    """The sender sums only the changed words (its buckets packed without checksums), and
+    they equal the new buckets' checksums; only the changed values are checked for NaN."""
+    from torchrl_vllm_ext.weight_sync.params import device_checksums
+    from torchrl_vllm_ext.weight_sync.transports.broadcast.sender import BroadcastTransport
+
+    v1 = pack(model(), "1", bucket_bytes=2000, dtype=dtype)
+    tensors = model()
+    tensors["norm"] = tensors["norm"] + 1.0  # sent whole
+    tensors["q"][0, :3] += 0.5  # a few values of two buckets
+    tensors["big"][5, 5] += 1.0
+    v2 = pack(tensors, "2", bucket_bytes=2000, dtype=dtype, checksums=False)
+    header, payloads = BroadcastTransport._delta(v2, v1, checks_finite=True)
+    assert header.base == "1" and payloads
+    assert [b.checksum for b in header.buckets] == device_checksums(v2.buffers)
+    tensors["q"][3, 4] = float("nan")
+    v3 = pack(tensors, "3", bucket_bytes=2000, dtype=dtype, checksums=False)
+    with pytest.raises(WeightSyncError, match="'q' contains NaN or inf"):
+        BroadcastTransport._delta(v3, v1, checks_finite=True)

@@ -166,14 +166,8 @@ def apply_bucket(
     returns those positions and their values (views of ``payload``, the values in the
     bucket's dtype)."""
     w = words(held, bucket.dtype)
-    itemsize = torch_dtype(bucket.dtype).itemsize
+    values, positions = split_payload(bucket, delta, payload)
     n_dense = sum(n for _, n in delta.dense)
-    n_values = n_dense + delta.positions
-    values = words(payload[: n_values * itemsize], bucket.dtype)
-    offset = _round8(n_values * itemsize)
-    index_dtype = torch.int64 if delta.index_dtype == "int64" else torch.int32
-    index_bytes = delta.positions * index_dtype.itemsize
-    positions = payload[offset : offset + index_bytes].view(index_dtype)
     if delta.dense:
         dsts, srcs, at = [], [], 0
         for start, numel in delta.dense:
@@ -184,6 +178,20 @@ def apply_bucket(
     if delta.positions:
         w.index_put_((positions,), values[n_dense:])
     return positions, values[n_dense:].view(torch_dtype(bucket.dtype))
+
+
+def split_payload(
+    bucket: BucketSpec, delta: BucketDelta, payload: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``delta``'s ``payload`` as its values (the dense tensors', then the changed ones, as
+    integers of the dtype's width) and its positions (views of ``payload``)."""
+    itemsize = torch_dtype(bucket.dtype).itemsize
+    n_values = sum(n for _, n in delta.dense) + delta.positions
+    values = words(payload[: n_values * itemsize], bucket.dtype)
+    offset = _round8(n_values * itemsize)
+    index_dtype = torch.int64 if delta.index_dtype == "int64" else torch.int32
+    index_bytes = delta.positions * index_dtype.itemsize
+    return values, payload[offset : offset + index_bytes].view(index_dtype)
 
 
 def bucket_change(
@@ -202,6 +210,42 @@ def bucket_change(
             s.name for s, span in zip(bucket.tensors, spans, strict=True) if span in dense
         ),
     )
+
+
+def touched_words(bucket: BucketSpec, delta: BucketDelta, positions: torch.Tensor):
+    """The int64 words of ``bucket`` that ``delta`` may change (ascending, each once), or
+    None when its bytes are not whole words (its checksum is then computed whole)."""
+    if bucket.nbytes % 8:
+        return None
+    itemsize = torch_dtype(bucket.dtype).itemsize
+    parts = [positions.to(torch.int64).mul_(itemsize).div_(8, rounding_mode="floor")]
+    for start, numel in delta.dense:
+        first, stop = start * itemsize // 8, -(-(start + numel) * itemsize // 8)
+        parts.append(torch.arange(first, stop, device=positions.device))
+    return torch.unique(torch.cat(parts))
+
+
+def words_sum(buffer: torch.Tensor, words: torch.Tensor) -> int:
+    """The wrapped int64 sum of ``buffer``'s (uint8, whole words) ``words``: the part of
+    its checksum (:func:`~.params.device_checksums`) those words make up."""
+    return int(buffer.view(torch.int64).index_select(0, words.to(buffer.device)).sum())
+
+
+def checksum_after(before: int, old_words: int, new_words: int) -> int:
+    """A bucket's checksum once the words that summed to ``old_words`` now sum to
+    ``new_words`` (the checksum is their sum mod 2**64: one pass over what changed, not over
+    the bucket).
+
+    Examples:
+        >>> from torchrl_vllm_ext.weight_sync.params import device_checksums
+        >>> old = torch.arange(16, dtype=torch.int64); new = old.clone(); new[3] = -5
+        >>> words = torch.tensor([3])
+        >>> total = checksum_after(device_checksums([old])[0], words_sum(old.view(torch.uint8),
+        ...     words), words_sum(new.view(torch.uint8), words))
+        >>> total == device_checksums([new])[0]
+        True
+    """
+    return (before + new_words - old_words) % (1 << 64)
 
 
 def _round8(n: int) -> int:

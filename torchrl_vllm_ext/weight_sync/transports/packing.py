@@ -8,6 +8,7 @@ the tensors back as views (:func:`unpack`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,10 +102,13 @@ def pack(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     into: Packed | None = None,
     dtype: torch.dtype | None = None,
+    checksums: bool = True,
 ) -> Packed:
     """Pack same-dtype tensors end to end into buckets of about ``bucket_bytes``, on the
     tensors' device. A tensor larger than ``bucket_bytes`` gets a bucket of its own.
     ``dtype``: cast every tensor to it as it is packed (the served dtype of a delta push).
+    ``checksums=False``: the buckets' checksums are left 0 for the caller to fill in (a
+    delta's: :func:`with_checksums`).
 
     ``into``: buckets of an earlier push to re-pack in place when they hold the same
     layout (one batched copy; the result shares ``into.buffers``), else new buffers. The
@@ -131,7 +135,7 @@ def pack(
             )
             for group in groups
         ]
-    sums = device_checksums(buffers)
+    sums = device_checksums(buffers) if checksums else [0] * len(buffers)
     specs = tuple(
         BucketSpec(
             dtype=dtype_name(dtype or group[0][1].dtype),
@@ -144,6 +148,15 @@ def pack(
         for group, buf, sum_ in zip(groups, buffers, sums, strict=True)
     )
     return Packed(UpdateHeader(version=str(version), buckets=specs), buffers)
+
+
+def with_checksums(packed: Packed, sums: list[int] | None = None) -> Packed:
+    """``packed`` with its buckets' checksums: ``sums``, or computed now."""
+    sums = device_checksums(packed.buffers) if sums is None else sums
+    buckets = tuple(
+        dataclasses.replace(b, checksum=s) for b, s in zip(packed.header.buckets, sums, strict=True)
+    )
+    return Packed(dataclasses.replace(packed.header, buckets=buckets), packed.buffers)
 
 
 class PackSlots:
@@ -175,12 +188,13 @@ class PackSlots:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         committed: Packed | None = None,
         dtype: torch.dtype | None = None,
+        checksums: bool = True,
     ) -> Packed:
         """``tensors`` packed (cast to ``dtype`` if given) into a set that is not
         ``committed``'s (reused if it fits)."""
         live = [p for p in self._sets if committed is not None and p.buffers is committed.buffers]
         spare = next((p for p in self._sets if not any(p is q for q in live)), None)
-        packed = pack(tensors, version, bucket_bytes, into=spare, dtype=dtype)
+        packed = pack(tensors, version, bucket_bytes, spare, dtype, checksums)
         self._sets = [*live, packed]
         return packed
 

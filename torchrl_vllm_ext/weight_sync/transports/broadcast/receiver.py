@@ -11,7 +11,15 @@ import logging
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
-from torchrl_vllm_ext.weight_sync.delta import apply_bucket, bucket_change, payload_bytes
+from torchrl_vllm_ext.weight_sync.delta import (
+    apply_bucket,
+    bucket_change,
+    checksum_after,
+    payload_bytes,
+    split_payload,
+    touched_words,
+    words_sum,
+)
 from torchrl_vllm_ext.weight_sync.loading.loads import Loads, Received
 from torchrl_vllm_ext.weight_sync.loading.scatter import Changes
 from torchrl_vllm_ext.weight_sync.params import device_checksums
@@ -44,6 +52,8 @@ class BroadcastReceiver:
         """Receive buffers kept from push to push (one per bucket)."""
         self.held: str | None = None
         """The version the buffers hold whole and verified (the base a delta changes)."""
+        self.sums: list[int] = []
+        """The buffers' checksums, verified (a delta's are these plus what it changed)."""
 
     def init_weight_broadcast(
         self,
@@ -88,7 +98,7 @@ class BroadcastReceiver:
             _buffer(self.buffers, i, b.nbytes, self.device) for i, b in enumerate(header.buckets)
         ]
         sums = self._collect(header, buffers)
-        self._verify(header, sums)
+        self._verify(header, device_checksums(buffers), sums)
         self.held = header.version
         # Loaded in one reload: vLLM re-processes a layer once all its weights arrived.
         return Received(self._views(header))
@@ -108,12 +118,22 @@ class BroadcastReceiver:
                 "again: the next push sends every byte."
             )
         self.held = None
-        sent, changed = iter(payloads), []
+        sent, changed, sums = iter(payloads), [], list(self.sums)
         for i, (bucket, delta) in enumerate(zip(header.buckets, header.deltas, strict=True)):
             if sizes[i]:
-                positions, values = apply_bucket(self.buffers[i], bucket, delta, next(sent))
+                payload, buffer = next(sent), self.buffers[i]
+                _, at = split_payload(bucket, delta, payload)
+                touched = touched_words(bucket, delta, at)
+                before = words_sum(buffer, touched) if touched is not None else 0
+                positions, values = apply_bucket(buffer, bucket, delta, payload)
                 changed.append(bucket_change(bucket, delta, positions, values))
-        self._verify(header, None)
+                sums[i] = (
+                    checksum_after(sums[i], before, words_sum(buffer, touched))
+                    if touched is not None
+                    else device_checksums([buffer])[0]
+                )
+        # The buffers held the base, verified; what the delta touched is summed again.
+        self._verify(header, sums)
         self.held = header.version
         return Received(self._views(header), Changes(header.base, tuple(changed)))
 
@@ -149,20 +169,21 @@ class BroadcastReceiver:
                 raise error from e
         return sums
 
-    def _verify(self, header: UpdateHeader, sums: torch.Tensor | None) -> None:
-        """Every bucket's bytes against the sender's checksums (``sums``: those that
-        followed the buckets), on the GPU for NCCL (no copy to the host), one sync."""
-        got_sums = device_checksums(self.buffers[: len(header.buckets)])
+    def _verify(self, header: UpdateHeader, got: list[int], sums: torch.Tensor | None = None):
+        """Every bucket's checksum (``got``: of the buffers, on the GPU for NCCL, one sync)
+        against the sender's (``sums``: those that followed the buckets, else the
+        header's); kept as the buffers' (the base of the next delta's)."""
         if sums is None:
             sent = [bucket.checksum for bucket in header.buckets]
         else:  # the sender's int64 words of the uint64 sums
             sent = [s % (1 << 64) for s in sums.tolist()]
-        for i, (got, want) in enumerate(zip(got_sums, sent, strict=True)):
-            if got != want:
+        for i, (have, want) in enumerate(zip(got, sent, strict=True)):
+            if have != want:
                 raise WeightSyncError(
-                    f"bucket {i} of version {header.version} arrived corrupted (checksum {got} != "
-                    f"{want}{', after its delta' if header.base else ''}); nothing was loaded."
+                    f"bucket {i} of version {header.version} arrived corrupted (checksum {have} "
+                    f"!= {want}{', after its delta' if header.base else ''}); nothing was loaded."
                 )
+        self.sums = sent
 
     def _views(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:
         return [

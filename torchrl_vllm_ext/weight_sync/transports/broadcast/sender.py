@@ -19,6 +19,7 @@ naming it; the group is formed again on the next push. Every wait has a deadline
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -28,7 +29,14 @@ import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.extensions import WorkerMethods
-from torchrl_vllm_ext.weight_sync.delta import WORTH_SHARE, diff_bucket
+from torchrl_vllm_ext.weight_sync.delta import (
+    WORTH_SHARE,
+    checksum_after,
+    diff_bucket,
+    split_payload,
+    touched_words,
+    words_sum,
+)
 from torchrl_vllm_ext.weight_sync.params import (
     device_checksums,
     require_all_finite,
@@ -36,7 +44,7 @@ from torchrl_vllm_ext.weight_sync.params import (
 )
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, to_json
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup, listen
-from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots, with_checksums
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     STAGED_POLL_S,
     Outcomes,
@@ -128,15 +136,24 @@ class BroadcastTransport(Transport):
                 self.options.bucket_bytes,
                 self._committed,
                 self._dtype,
+                self._dtype is None,  # a delta's checksums follow from its base's
             )
-            if self.checks_finite:
-                await asyncio.to_thread(require_all_finite, packed.tensors())
             phases["pack"] = time.perf_counter() - t0
             base = self._delta_base(packed, replicas)
             if base is not None:
                 t1 = time.perf_counter()
-                delta = await asyncio.to_thread(self._delta, packed, base)
+                delta = await asyncio.to_thread(self._delta, packed, base, self.checks_finite)
                 phases["diff"] = time.perf_counter() - t1
+            if delta is None:
+                t1 = time.perf_counter()
+                if self._dtype is not None:
+                    packed = await asyncio.to_thread(with_checksums, packed)
+                if self.checks_finite:
+                    await asyncio.to_thread(require_all_finite, packed.tensors())
+                phases["pack"] += time.perf_counter() - t1
+            else:
+                full = dataclasses.replace(delta[0], base="", deltas=())  # restarts: this
+                packed = Packed(full, packed.buffers)
         nbytes = sum(b.numel() * b.element_size() for b in packed.buffers)
         header, buffers = (packed.header, packed.buffers) if delta is None else delta
         try:
@@ -168,20 +185,36 @@ class BroadcastTransport(Transport):
         return base
 
     @staticmethod
-    def _delta(packed: Packed, base: Packed) -> tuple[UpdateHeader, list[torch.Tensor]] | None:
-        """``packed`` as a delta of ``base``'s buckets: its header and the payloads of the
-        buckets that changed; None when the full buckets are hardly larger."""
-        deltas, payloads = [], []
-        for spec, new, old in zip(packed.header.buckets, packed.buffers, base.buffers, strict=True):
+    def _delta(
+        packed: Packed, base: Packed, checks_finite: bool
+    ) -> tuple[UpdateHeader, list[torch.Tensor]] | None:
+        """``packed`` (its checksums not yet summed) as a delta of ``base``'s buckets: its
+        header (the new buckets' checksums: the base's plus what changed) and the payloads
+        of the buckets that changed; None when the full buckets are hardly larger. Only
+        the changed values are checked for NaN / inf: the others are the base's, checked
+        when it was pushed."""
+        deltas, payloads, specs, sent = [], [], [], 0
+        old_buckets = zip(base.header.buckets, base.buffers, strict=True)
+        new_buckets = zip(packed.header.buckets, packed.buffers, strict=True)
+        for (spec, new), (was, old) in zip(new_buckets, old_buckets, strict=True):
             delta, payload = diff_bucket(new, old, spec)
             deltas.append(delta)
+            values, positions = split_payload(spec, delta, payload)
+            if checks_finite and not bool(values.view(torch_dtype(spec.dtype)).isfinite().all()):
+                require_all_finite(packed.tensors())  # raises, naming the tensor
+            touched = touched_words(spec, delta, positions)
+            checksum = (
+                checksum_after(was.checksum, words_sum(old, touched), words_sum(new, touched))
+                if touched is not None
+                else device_checksums([new])[0]
+            )
+            specs.append(dataclasses.replace(spec, checksum=checksum))
             if payload.numel():
                 payloads.append(payload)
-        if sum(p.numel() for p in payloads) > WORTH_SHARE * packed.nbytes:
-            return None
-        header = UpdateHeader(
-            packed.version, packed.header.buckets, base=base.version, deltas=tuple(deltas)
-        )
+                sent += payload.numel()
+            if sent > WORTH_SHARE * packed.nbytes:
+                return None
+        header = UpdateHeader(packed.version, tuple(specs), base=base.version, deltas=tuple(deltas))
         return header, payloads
 
     async def prepare_streamed(
