@@ -238,3 +238,25 @@ def test_a_deltas_checksums_are_its_bases_plus_what_changed(dtype):
     v3 = pack(tensors, "3", bucket_bytes=2000, dtype=dtype, checksums=False)
     with pytest.raises(WeightSyncError, match="'q' contains NaN or inf"):
         BroadcastTransport._delta(v3, v1, checks_finite=True)
+
+
+def test_a_word_shared_by_a_changed_value_and_a_tensor_sent_whole_is_summed_once():
+    from torchrl_vllm_ext.weight_sync.params import device_checksums
+    from torchrl_vllm_ext.weight_sync.specs import BucketSpec, TensorSpec
+
+    # bf16 "a" (11 values) then "b" (5): word 2 holds a[8:11] and b[0]
+    spec = BucketSpec(
+        "bfloat16", (TensorSpec("a", "bfloat16", (11,)), TensorSpec("b", "bfloat16", (5,))), 32, 0
+    )
+    old = torch.arange(16, dtype=torch.bfloat16).view(torch.uint8)
+    new = old.clone().view(torch.bfloat16)
+    new[9] = 99.0  # one of a's (9%: by position)
+    new[11:] = -1.0  # all of b: sent whole
+    new = new.view(torch.uint8)
+    delta, payload = d.diff_bucket(new, old, spec)
+    assert delta.dense == ((11, 5),) and delta.positions == 1
+    _, positions = d.split_payload(spec, delta, payload)
+    touched = d.touched_words(spec, delta, positions)
+    assert touched.runs == ((2, 4),) and touched.words.numel() == 0
+    before, after = d.words_sum(old, touched), d.words_sum(new, touched)
+    assert d.checksum_after(device_checksums([old])[0], before, after) == device_checksums([new])[0]

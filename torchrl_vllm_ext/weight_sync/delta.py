@@ -27,6 +27,8 @@ is finite anyway), so a base plus its delta is the new version bit for bit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from torchrl_vllm_ext.weight_sync.loading.scatter import BucketChange
@@ -212,23 +214,46 @@ def bucket_change(
     )
 
 
+@dataclass(frozen=True)
+class Touched:
+    """The int64 words of a bucket a delta may change: runs of them (its dense tensors'),
+    and single words (its changed positions', none inside a run), each once."""
+
+    runs: tuple[tuple[int, int], ...]
+    words: torch.Tensor
+
+
 def touched_words(bucket: BucketSpec, delta: BucketDelta, positions: torch.Tensor):
-    """The int64 words of ``bucket`` that ``delta`` may change (ascending, each once), or
-    None when its bytes are not whole words (its checksum is then computed whole)."""
+    """The :class:`Touched` words of ``bucket`` that ``delta`` may change, or None when its
+    bytes are not whole words (its checksum is then computed whole). Linear in what
+    changed: the positions are ascending, so are their words."""
     if bucket.nbytes % 8:
         return None
     itemsize = torch_dtype(bucket.dtype).itemsize
-    parts = [positions.to(torch.int64).mul_(itemsize).div_(8, rounding_mode="floor")]
-    for start, numel in delta.dense:
+    runs: list[list[int]] = []
+    for start, numel in delta.dense:  # ascending, disjoint; neighbours may share a word
         first, stop = start * itemsize // 8, -(-(start + numel) * itemsize // 8)
-        parts.append(torch.arange(first, stop, device=positions.device))
-    return torch.unique(torch.cat(parts))
+        if runs and first <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], stop)
+        else:
+            runs.append([first, stop])
+    words = torch.unique_consecutive(
+        positions.to(torch.int64).mul_(itemsize).div_(8, rounding_mode="floor")
+    )
+    if runs and words.numel():  # a position's word shared with a dense tensor: counted once
+        edges = torch.tensor([x for run in runs for x in run], device=words.device)
+        words = words[torch.searchsorted(edges, words, right=True) % 2 == 0]
+    return Touched(tuple((a, b) for a, b in runs), words)
 
 
-def words_sum(buffer: torch.Tensor, words: torch.Tensor) -> int:
-    """The wrapped int64 sum of ``buffer``'s (uint8, whole words) ``words``: the part of
-    its checksum (:func:`~.params.device_checksums`) those words make up."""
-    return int(buffer.view(torch.int64).index_select(0, words.to(buffer.device)).sum())
+def words_sum(buffer: torch.Tensor, touched: Touched) -> int:
+    """The wrapped int64 sum of ``buffer``'s (uint8, whole words) ``touched`` words: the
+    part of its checksum (:func:`~.params.device_checksums`) they make up."""
+    w = buffer.view(torch.int64)
+    total = w.index_select(0, touched.words.to(buffer.device)).sum()
+    for first, stop in touched.runs:
+        total = total + w[first:stop].sum()
+    return int(total)
 
 
 def checksum_after(before: int, old_words: int, new_words: int) -> int:
@@ -239,7 +264,7 @@ def checksum_after(before: int, old_words: int, new_words: int) -> int:
     Examples:
         >>> from torchrl_vllm_ext.weight_sync.params import device_checksums
         >>> old = torch.arange(16, dtype=torch.int64); new = old.clone(); new[3] = -5
-        >>> words = torch.tensor([3])
+        >>> words = Touched((), torch.tensor([3]))
         >>> total = checksum_after(device_checksums([old])[0], words_sum(old.view(torch.uint8),
         ...     words), words_sum(new.view(torch.uint8), words))
         >>> total == device_checksums([new])[0]
