@@ -43,7 +43,7 @@ from torchrl_vllm_ext._compat.driver import (
     has_batch_invariant_kernels,
     vllm_build_drives_gpus,
 )
-from torchrl_vllm_ext._compat.lora import register_lora_from_tensors
+from torchrl_vllm_ext._compat.lora import register_lora_from_tensors, registered_lora_ids
 from torchrl_vllm_ext._compat.replica import (
     KV_SIZE_LOGGERS,
     MEMORY_LORA_PATH,
@@ -129,6 +129,7 @@ __all__ = [
     "moe_runner_names_unqualified",
     "pause_then",
     "register_lora_from_tensors",
+    "registered_lora_ids",
     "release_distributed",
     "replace_cpu_gemm_dispatch",
     "retryable_errors",

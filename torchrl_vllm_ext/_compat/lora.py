@@ -77,6 +77,12 @@ def register_lora_from_tensors(worker, lora_id: int, tensors: dict, config: dict
         _register_pinned(manager, lora)
 
 
+def registered_lora_ids(worker) -> set[int]:
+    """The ids of the adapters the worker's LoRA manager holds (an empty set without one)."""
+    manager = getattr(worker.model_runner, "lora_manager", None)
+    return set() if manager is None else set(manager.list_adapters())
+
+
 def _lora_manager(worker):
     manager = getattr(worker.model_runner, "lora_manager", None)
     if manager is None:
@@ -148,4 +154,4 @@ def _sync_allowed():
     return gpu_sync_allowed()
 
 
-__all__ = ["expected_modules", "register_lora_from_tensors"]
+__all__ = ["expected_modules", "register_lora_from_tensors", "registered_lora_ids"]
