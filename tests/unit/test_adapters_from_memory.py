@@ -66,6 +66,24 @@ def test_packing_keeps_every_tensor_bitwise_at_aligned_offsets():
     got["a"].add_(1)  # the views are writable: vLLM may cast or pin them in place
 
 
+def test_a_worker_reuses_a_regions_copy_only_once_vllm_dropped_its_adapter():
+    from torchrl_vllm_ext.weight_sync.adapter_receiver import AdapterReceiver
+
+    registered: set[int] = set()
+    manager = SimpleNamespace(list_adapters=lambda: set(registered))
+    receiver = AdapterReceiver(SimpleNamespace(model_runner=SimpleNamespace(lora_manager=manager)))
+    region = (1, 2, 3, 4096, 0, 128)  # pid, fd, inode, size, offset, nbytes
+    first = receiver._reusable(region, lora_id=1)
+    registered.add(1)
+    second = receiver._reusable(region, lora_id=2)  # adapter 1 still held: a new copy
+    assert second is not first and len(second) == 128
+    registered.discard(2)
+    assert receiver._reusable(region, lora_id=3) is second  # adapter 2 dropped: reused
+    packed = pack_adapter({"w": torch.arange(4.0)}, {"r": 1})
+    got, _ = unpack_adapter(packed.header_json, packed.data, bytearray(len(packed.data)))
+    assert torch.equal(got["w"], torch.arange(4.0))
+
+
 def test_a_buffer_missing_bytes_is_refused_naming_the_tensor():
     packed = pack_adapter({"first": torch.ones(4), "second": torch.ones(100)}, {"r": 1})
     with pytest.raises(ValueError, match=r"'second'.*push it again"):
