@@ -18,7 +18,14 @@ from torch import nn
 from torchrl_vllm_ext.weight_sync.delta import apply_bucket, bucket_change, diff_bucket
 from torchrl_vllm_ext.weight_sync.loading import scatter as scatter_module
 from torchrl_vllm_ext.weight_sync.loading.loads import Loads
-from torchrl_vllm_ext.weight_sync.loading.plan import View, content_sums, layout_of
+from torchrl_vllm_ext.weight_sync.loading.plan import (
+    BoundPlan,
+    Copy,
+    LoadPlan,
+    View,
+    content_sums,
+    layout_of,
+)
 from torchrl_vllm_ext.weight_sync.loading.planned import PlannedLoader, model_state
 from torchrl_vllm_ext.weight_sync.loading.recorder import trace
 from torchrl_vllm_ext.weight_sync.loading.scatter import Changes, contiguous, offset_copies
@@ -595,3 +602,15 @@ def test_content_sums_see_positions():
     assert content_sums([a, a]) == [content_sums([a])[0]] * 2
     odd = torch.arange(3, dtype=torch.uint8)  # not a whole number of words
     assert content_sums([odd])[0] != content_sums([odd.flip(0)])[0]
+
+
+def test_every_copy_overlapping_another_is_replayed_whole():
+    """Runs [0, 6), [6, 30) and [4, 5) of one target (a plan the trace would not keep: its
+    overlaps go to the loader; the scatter checks again): the last overlaps the first only."""
+    w = torch.zeros(30)
+    runs = {"y": (0, 6), "z": (6, 24), "x": (4, 1)}
+    copies = tuple(
+        Copy(name, View(0, (n,), (1,)), "w", View(at, (n,), (1,))) for name, (at, n) in runs.items()
+    )
+    bound = BoundPlan(LoadPlan((), copies), {"w": w}, [])
+    assert offset_copies(bound) == [False, True, False]

@@ -130,12 +130,11 @@ def offset_copies(bound: BoundPlan) -> list[bool]:
         by_target.setdefault(c.target, []).append((c.dst.offset, c.dst.offset + c.dst.span(), i))
     for runs in by_target.values():
         runs.sort()
-        reach, last = -1, -1
-        for start, stop, i in runs:
-            if start < reach:  # overlaps an earlier run: their order matters, replay both
-                ok[i] = ok[last] = False
-            if stop > reach:
-                reach, last = stop, i
+        for a, (_, stop, i) in enumerate(runs):
+            for start, _, j in runs[a + 1 :]:
+                if start >= stop:
+                    break
+                ok[i] = ok[j] = False  # they overlap: their order matters, replay both
     return ok
 
 
