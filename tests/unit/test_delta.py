@@ -260,3 +260,11 @@ def test_a_word_shared_by_a_changed_value_and_a_tensor_sent_whole_is_summed_once
     assert touched.runs == ((2, 4),) and touched.words.numel() == 0
     before, after = d.words_sum(old, touched), d.words_sum(new, touched)
     assert d.checksum_after(device_checksums([old])[0], before, after) == device_checksums([new])[0]
+
+
+@pytest.mark.parametrize("share", [0.0, 0.001, 0.05, 0.3, 0.9])
+def test_sparse_true_positions_equal_nonzero(share):
+    g = torch.Generator().manual_seed(int(share * 1000))
+    for n in (0, 5, 8, 1001, 100003):
+        mask = torch.rand(n, generator=g) < share
+        assert torch.equal(d._true_positions(mask), mask.nonzero().squeeze(1)), n

@@ -75,19 +75,30 @@ def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """The positions (int64, ascending) where the 1-D integer tensors differ. Narrow
     elements are compared 8 bytes at a time (4 bf16 values per word: a quarter of the
     comparisons), then the lanes of the changed words."""
+    return _changes(new, old)[0]
+
+
+def _changes(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """:func:`changed_positions`, and by how much the wrapped sum of the int64 words
+    changed (a checksum's change, :func:`~.params.device_checksums`), when the tensors
+    are whole aligned words (else None)."""
     per = 8 // new.element_size()
     whole = new.numel() - new.numel() % per
     aligned = new.storage_offset() % per == 0 and old.storage_offset() % per == 0
     if per == 1 or not whole or not aligned:
-        return _differing(new, old)
-    words = _differing(new[:whole].view(torch.int64), old[:whole].view(torch.int64))
-    rows_new = new[:whole].view(-1, per).index_select(0, words)
-    rows_old = old[:whole].view(-1, per).index_select(0, words)
-    word, lane = torch.ne(rows_new, rows_old).nonzero(as_tuple=True)
+        return _differing(new, old), None
+    new_words, old_words = new[:whole].view(torch.int64), old[:whole].view(torch.int64)
+    words = _differing(new_words, old_words)
+    now, was = new_words.index_select(0, words), old_words.index_select(0, words)
+    # the changed lanes of each changed word (little-endian: element k in bits 16k.. of bf16)
+    bits, flipped = 64 // per, now ^ was
+    lanes = [((flipped >> (bits * k)) & ((1 << bits) - 1)) != 0 for k in range(per)]
+    word, lane = torch.stack(lanes, dim=1).nonzero(as_tuple=True)
     found = words[word] * per + lane
     if whole < new.numel():
         found = torch.cat([found, _differing(new[whole:], old[whole:]) + whole])
-    return found
+        return found, None
+    return found, int((now - was).sum())
 
 
 def _differing(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -97,12 +108,32 @@ def _differing(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     chunk = CHUNK if new.device.type == "cpu" else max(new.numel(), 1)
     for start in range(0, new.numel(), chunk):
         stop = min(start + chunk, new.numel())
-        where = torch.ne(new[start:stop], old[start:stop]).nonzero().squeeze(1)
+        where = _true_positions(torch.ne(new[start:stop], old[start:stop]))
         if where.numel():
             found.append(where + start)
     if not found:
         return new.new_empty(0, dtype=torch.int64)
     return torch.cat(found)
+
+
+def _true_positions(mask: torch.Tensor) -> torch.Tensor:
+    """``mask.nonzero()`` of a 1-D bool tensor, mostly False: its bytes are scanned 8 at a
+    time (one int64 each), then the lanes of the words holding a True (``nonzero`` over
+    every byte costs as much as the comparison that made them)."""
+    whole = mask.numel() - mask.numel() % 8
+    if not whole:
+        return mask.nonzero().squeeze(1)
+    groups = mask[:whole].view(torch.int64)
+    hit = groups.nonzero().squeeze(1)
+    if hit.numel() * 4 > groups.numel():  # dense enough: the lanes cost more than a scan
+        return mask.nonzero().squeeze(1)
+    value = groups.index_select(0, hit)
+    lanes = torch.stack([((value >> (8 * k)) & 0xFF) != 0 for k in range(8)], dim=1)
+    row, lane = lanes.nonzero(as_tuple=True)
+    found = hit[row] * 8 + lane
+    if whole < mask.numel():
+        found = torch.cat([found, mask[whole:].nonzero().squeeze(1) + whole])
+    return found
 
 
 def diff_bucket(
@@ -129,8 +160,19 @@ def diff_bucket(
         >>> torch.equal(held, new)
         True
     """
+    return diff_and_sum(new, old, bucket, dense_share)[:2]
+
+
+def diff_and_sum(
+    new: torch.Tensor, old: torch.Tensor, bucket: BucketSpec, dense_share: float = DENSE_SHARE
+) -> tuple[BucketDelta, torch.Tensor, int | None]:
+    """:func:`diff_bucket`, and how much the bucket's checksum changed from ``old``'s to
+    ``new``'s (the changed words' new values less their old ones, summed where the
+    comparison read them; None: a bucket of partial words, summed whole by the caller)."""
     a, b = words(new, bucket.dtype), words(old, bucket.dtype)
-    positions = changed_positions(a, b)
+    positions, sum_change = _changes(a, b)
+    if bucket.nbytes % 8:
+        sum_change = None
     spans = _spans(bucket)
     dense: list[tuple[int, int]] = []
     if positions.numel():
@@ -149,7 +191,7 @@ def diff_bucket(
     values = torch.cat(parts).view(torch.uint8)
     payload = torch.cat([_aligned(values), _aligned(positions.to(index_dtype).view(torch.uint8))])
     delta = BucketDelta(tuple(dense), int(positions.numel()), str(index_dtype).split(".")[-1])
-    return delta, payload
+    return delta, payload, sum_change
 
 
 def payload_bytes(bucket: BucketSpec, delta: BucketDelta) -> int:

@@ -32,10 +32,8 @@ from torchrl_vllm_ext.extensions import WorkerMethods
 from torchrl_vllm_ext.weight_sync.delta import (
     WORTH_SHARE,
     checksum_after,
-    diff_bucket,
+    diff_and_sum,
     split_payload,
-    touched_words,
-    words_sum,
 )
 from torchrl_vllm_ext.weight_sync.params import (
     device_checksums,
@@ -197,15 +195,14 @@ class BroadcastTransport(Transport):
         old_buckets = zip(base.header.buckets, base.buffers, strict=True)
         new_buckets = zip(packed.header.buckets, packed.buffers, strict=True)
         for (spec, new), (was, old) in zip(new_buckets, old_buckets, strict=True):
-            delta, payload = diff_bucket(new, old, spec)
+            delta, payload, sum_change = diff_and_sum(new, old, spec)
             deltas.append(delta)
-            values, positions = split_payload(spec, delta, payload)
+            values, _ = split_payload(spec, delta, payload)
             if checks_finite and not bool(values.view(torch_dtype(spec.dtype)).isfinite().all()):
                 require_all_finite(packed.tensors())  # raises, naming the tensor
-            touched = touched_words(spec, delta, positions)
             checksum = (
-                checksum_after(was.checksum, words_sum(old, touched), words_sum(new, touched))
-                if touched is not None
+                checksum_after(was.checksum, 0, sum_change)
+                if sum_change is not None
                 else device_checksums([new])[0]
             )
             specs.append(dataclasses.replace(spec, checksum=checksum))
