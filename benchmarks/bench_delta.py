@@ -307,20 +307,12 @@ if __name__ == "__main__":
     parser.add_argument("--block", type=int, default=5, help="steps per block")
     parser.add_argument("--hidden", type=int, default=640)
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument(
-        "--dense-shares",
-        type=float,
-        nargs="*",
-        default=[0.02, 0.1, 0.25, 0.5],
-        help="time writing these shares of a bucket by position against whole",
-    )
-    parser.add_argument(
-        "--scatter-shares",
-        type=float,
-        nargs="*",
-        default=[0.001, 0.003, 0.01, 0.02],
-        help="time the pause scattering these shares of every tensor against a replay",
-    )
+    shares = {  # flag -> (default shares, what it times); no values: skipped
+        "--dense-shares": ([0.02, 0.1, 0.25, 0.5], "writing a bucket by position vs whole"),
+        "--scatter-shares": ([0.001, 0.003, 0.01, 0.02], "the pause's scatter vs a replay"),
+    }
+    for flag, (default, what) in shares.items():
+        parser.add_argument(flag, type=float, nargs="*", default=default, help=f"time {what}")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     print(json.dumps(main(args)))

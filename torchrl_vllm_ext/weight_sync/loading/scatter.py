@@ -67,14 +67,14 @@ class _Offset:
 @dataclass
 class _Table:
     """One bucket layout mapped through one bound plan: each tensor's first element in the
-    bucket (``starts``, and as a tensor for the search), elements, and offset copy (None:
-    its copies, ``unmapped``, are replayed whole when it changed)."""
+    bucket (``starts``, and as a tensor for the search), elements, offset copy (None: not
+    one) and copies (indices into the plan's: replayed whole when it is not scattered)."""
 
     starts: list[int]
     numels: tuple[int, ...]
     first: torch.Tensor
     offsets: list[_Offset | None]
-    unmapped: list[list[int]]
+    copies: list[list[int]]
 
 
 @dataclass
@@ -143,21 +143,20 @@ def _table(bound: BoundPlan, change: BucketChange) -> _Table:
     cached = known.tables.get(change.names)
     if cached is not None:
         return cached
-    starts, offsets, unmapped, at = [], [], [], 0
+    starts, offsets, copies, at = [], [], [], 0
     for name, numel in zip(change.names, change.numels, strict=True):
         mine = known.by_source.get(name, [])
+        offset = None  # no copy (the loader's, skipped), or several, or one not an offset
         if len(mine) == 1 and known.offset[mine[0]]:
             one: Copy = bound.plan.copies[mine[0]]
             lo, flat = one.src.offset, bound.tensors[one.target].view(-1)
-            offsets.append(_Offset(lo, lo + one.src.numel, one.dst.offset - lo, flat))
-            unmapped.append([])
-        else:  # no copy (the loader's, skipped), or several, or one not an offset
-            offsets.append(None)
-            unmapped.append(mine)
+            offset = _Offset(lo, lo + one.src.numel, one.dst.offset - lo, flat)
         starts.append(at)
+        offsets.append(offset)
+        copies.append(mine)
         at += numel
     first = torch.tensor(starts, dtype=change.positions.dtype, device=change.positions.device)
-    table = _Table(starts, change.numels, first, offsets, unmapped)
+    table = _Table(starts, change.numels, first, offsets, copies)
     known.tables[change.names] = table
     return table
 
@@ -198,7 +197,7 @@ def _scatter_bucket(bound: BoundPlan, change: BucketChange, whole: set[int]) -> 
         if a == b:
             continue
         if offset is None or b - a > SCATTER_SHARE * table.numels[i]:
-            whole.update(table.unmapped[i] or by_source_of(bound, change.names[i]))
+            whole.update(table.copies[i])
             continue
         start = table.starts[i]
         mine, values = positions[a:b], change.values[a:b]
@@ -211,8 +210,3 @@ def _scatter_bucket(bound: BoundPlan, change: BucketChange, whole: set[int]) -> 
         target.index_copy_(0, index, values.to(target.device, target.dtype))
         written += index.numel()
     return written
-
-
-def by_source_of(bound: BoundPlan, name: str) -> list[int]:
-    """The copies of pushed tensor ``name`` (indices into the plan's)."""
-    return ScatterMap.of(bound).by_source.get(name, [])
