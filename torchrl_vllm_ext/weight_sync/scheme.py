@@ -44,7 +44,8 @@ from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames
 from torchrl_vllm_ext.weight_sync.params import expected_specs, torch_dtype, validate
 from torchrl_vllm_ext.weight_sync.report import SyncReport
 from torchrl_vllm_ext.weight_sync.sources import PushSource, full_push_source
-from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes, tracked_version
+from torchrl_vllm_ext.weight_sync.torchrl_contract import TorchRLSchemeCalls, register_with_torchrl
+from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes
 from torchrl_vllm_ext.weight_sync.transport_choice import choose_transport, delta_dtype
 from torchrl_vllm_ext.weight_sync.transports import registry
 from torchrl_vllm_ext.weight_sync.transports.packing import DEFAULT_BUCKET_BYTES
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 ROLLOUTS = ("parallel", "rolling")
 
 
-class WeightSyncScheme:
+class WeightSyncScheme(TorchRLSchemeCalls):
     """Pushes trainer weights into every replica of a :class:`~torchrl_vllm_ext.VLLMService`.
 
     Args:
@@ -470,58 +471,6 @@ class WeightSyncScheme:
         async with self._lock:
             await self.transport_impl.connect(list(self.fleet.ready()), nbytes)
 
-    # ------------------------------------------------------------------ TorchRL's contract
-    # The sender side of TorchRL's WeightSyncScheme (torchrl.weight_update), under which
-    # this class is registered: a collector given weight_sync_schemes={"policy": scheme}
-    # calls init_on_sender, connect, then send at each update_policy_weights_. The
-    # receivers are the replicas' workers, run by this package: no receiver side.
-    def init_on_sender(self, *, model_id: str | None = None, context=None, model=None, **_) -> None:
-        """Bind the scheme to a collector (``context``: versions follow its
-        ``policy_version``) and, optionally, the trainer ``model`` ``send()`` pushes."""
-        self.model_id = model_id
-        self._context = weakref.ref(context) if context is not None else None
-        self._model = model
-        self.initialized_on_sender = True
-
-    def connect(self, *, worker_idx: int | None = None, weights=None) -> None:
-        """TorchRL's rendezvous: prepare the transport; push ``weights`` if given."""
-        if worker_idx is not None:
-            raise ConfigurationError(
-                f"connect(worker_idx={worker_idx!r}): the scheme is the sender; the replicas' "
-                "workers receive inside the service and are not TorchRL workers."
-            )
-        self.service.run(self.aconnect())
-        if weights is not None:
-            self.send(weights)
-        self.synchronized_on_sender = True
-
-    def send(self, weights=None, worker_ids=None) -> SyncReport:
-        """Push ``weights`` (or the ``model`` given to :meth:`init_on_sender`) to every
-        replica as the collector's next policy version; blocks."""
-        if worker_ids is not None:
-            raise ConfigurationError(
-                f"send(worker_ids={worker_ids!r}): a push reaches every replica (they serve one "
-                "version); call send() without worker_ids."
-            )
-        weights = weights if weights is not None else self._model
-        if weights is None:
-            raise ConfigurationError(
-                "send() has no weights: pass the trainer model (collector."
-                "update_policy_weights_(model)) or init_on_sender(model=...)."
-            )
-        collector = self._context() if self._context is not None else None
-        return self.torchrl.push(weights, tracked_version(collector))
-
-    def init_on_receiver(self, *args, **kwargs) -> None:
-        raise ConfigurationError(
-            "WeightSyncScheme has no receiver side: the replicas' workers load the weights "
-            "inside the service. Give the scheme to the collector that pushes (the sender)."
-        )
-
-    def shutdown(self) -> None:
-        """TorchRL's name for :meth:`close`."""
-        self.close()
-
     # ------------------------------------------------------------------ restarts
     async def bring_up(self, replica: ReplicaView) -> str | None:
         """The service's weights provider: load the current version into a restarted replica;
@@ -586,14 +535,4 @@ def _weak_hook(method):
     return hook
 
 
-def _register_with_torchrl() -> None:
-    # TorchRL's collectors check isinstance(scheme, torchrl's WeightSyncScheme) (an ABC);
-    # the class keeps its own contract and is registered, not derived (~1 s import).
-    try:
-        from torchrl.weight_update import WeightSyncScheme as TorchRLWeightSyncScheme
-    except ImportError:  # pragma: no cover - torchrl is a dependency
-        return
-    TorchRLWeightSyncScheme.register(WeightSyncScheme)
-
-
-_register_with_torchrl()
+register_with_torchrl(WeightSyncScheme)
