@@ -33,6 +33,7 @@ from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.grpo.config import GRPOConfig
 from torchrl_vllm_ext.grpo.ranks import TrainerRanks
 from torchrl_vllm_ext.grpo.trainer import GRPOTrainer, restrict_vocabulary
+from torchrl_vllm_ext.grpo.trainer_model import build_trainer, load_trainer_model
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,6 @@ def train_rank(rank: int, world: int, cfg: GRPOConfig, model_path: str, token_id
     """A spawned rank's loop: load and shard the model, then train on each part rank 0
     scatters and push, until it scatters None."""
     from torchrl_vllm_ext import ShardedWeightSync
-    from torchrl_vllm_ext.grpo.run import build_trainer, load_trainer_model
 
     _log_to(cfg.log_file, rank)
     # NOTE: every rank shares the host with the replicas; one rank's OpenMP team per core

@@ -31,7 +31,8 @@ from torchrl_vllm_ext.grpo.data_parallel import (
 )
 from torchrl_vllm_ext.grpo.report import mismatch_postfix, plot_run, summarize
 from torchrl_vllm_ext.grpo.rollouts import RolloutRecorder
-from torchrl_vllm_ext.grpo.trainer import GRPOTrainer, restrict_vocabulary
+from torchrl_vllm_ext.grpo.trainer import restrict_vocabulary
+from torchrl_vllm_ext.grpo.trainer_model import build_trainer, load_trainer_model
 
 logger = logging.getLogger(__name__)
 
@@ -73,29 +74,6 @@ def with_lora(model, rank: int):
 
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", lora_dropout=0.0)
     return get_peft_model(model, config)
-
-
-def load_trainer_model(cfg: GRPOConfig):
-    """(model path, tokenizer, model): the given model, or the package's tiny random Qwen2."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from torchrl_vllm_ext.testing import make_tiny_model
-
-    path = Path(cfg.model) if cfg.model else make_tiny_model(seed=cfg.seed)
-    if not (path / "config.json").is_file():
-        raise ConfigurationError(
-            f"--model {path} is not a Hugging Face model directory (no config.json); "
-            "pass a local directory saved with save_pretrained, or omit --model."
-        )
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.dtype))
-    vocab = model.get_output_embeddings().weight.shape[0]
-    if cfg.high > vocab:
-        raise ConfigurationError(
-            f"the task uses token ids up to {cfg.high - 1} but {path} has {vocab}; "
-            f"pass --high <= {vocab}."
-        )
-    return path, tokenizer, model
 
 
 @contextlib.contextmanager
@@ -241,22 +219,6 @@ def _task(cfg: GRPOConfig, model):
     if cfg.lora_rank:
         model = with_lora(model, cfg.lora_rank)
     return model, env, mask
-
-
-def build_trainer(cfg: GRPOConfig, model, tokenizer) -> GRPOTrainer:
-    """The job's :class:`GRPOTrainer` over ``model`` (sharded or not)."""
-    return GRPOTrainer(
-        model,
-        tokenizer,
-        group_size=cfg.group_size,
-        lr=cfg.lr,
-        clip_epsilon=cfg.clip_epsilon,
-        entropy_coeff=cfg.entropy_coeff,
-        kl_to_ref_coeff=cfg.kl_coef,
-        rollout_correction=cfg.rollout_correction,
-        is_clip=cfg.is_clip,
-        is_clip_low=cfg.is_clip_low,
-    )
 
 
 def _collector(cfg: GRPOConfig, env, service, ref_service, scheme, tokenizer, pushes):
