@@ -114,9 +114,9 @@ def summary(runs: dict, peaks: dict, checked) -> dict:
 
 def main(args) -> dict:
     from torchrl_vllm_ext import VLLMService
+    from torchrl_vllm_ext.listening import free_port
     from torchrl_vllm_ext.testing import make_tiny_model
     from torchrl_vllm_ext.testing.sharded import init_gloo, load
-    from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import free_port
 
     model_dir = str(make_tiny_model(hidden_size=args.hidden, num_layers=args.layers, seed=0))
     full = load(model_dir)

@@ -739,8 +739,8 @@ def sharded_world(model_dir, steps: list[dict], world: int = 2):
 
     import torch.distributed as dist
 
+    from torchrl_vllm_ext.listening import free_port
     from torchrl_vllm_ext.testing.sharded import follow, init_gloo
-    from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import free_port
 
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()

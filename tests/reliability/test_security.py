@@ -1,4 +1,5 @@
-"""Security: loopback-only Ray, no pickle across vLLM processes, private weight slots.
+"""Security: nothing of ours listens beyond loopback, no pickle across vLLM processes, private
+weight slots.
 
 - A Ray cluster the package starts listens on loopback only (checked on every listening
   socket of every process it started, in a fresh interpreter).
@@ -7,6 +8,8 @@
 - Weight slots are readable by their owner only; the broadcast group's rendezvous store
   listens on the node address (loopback on one machine), not on every interface.
 - A manifest cannot send readers outside the storage directory.
+- During a storage, a broadcast, a sharded (2 ranks) and an adapter push, no process of
+  ours listens beyond loopback (the test prints every listener it saw, by push).
 """
 
 from __future__ import annotations
@@ -134,3 +137,85 @@ def test_broadcast_rendezvous_listens_on_the_node_address_only(service, scheme, 
         assert {ip for ip, _ in opened} <= allowed, f"listening beyond {allowed}: {opened}"
     scheme.push(trainer, version="security-storage")  # the storage scheme is live again
     assert_replicas_match(service, trainer, "security-storage")
+
+
+PUSHES = """
+import json, sys, threading, time
+import psutil, torch
+from transformers import AutoModelForCausalLM
+from torchrl_vllm_ext import AdapterSync, ShardedWeightSync, VLLMService, WeightSyncScheme
+from torchrl_vllm_ext.testing.sharded import load, shard
+from tests.helpers import ENGINE_KWARGS, LORA_KWARGS, make_adapter, perturb, sharded_world
+
+model, out = sys.argv[1:]
+phase = ["launch"]
+seen = {}
+stop = threading.Event()
+
+def sample():  # every listening socket of this process and every process it started
+    me = psutil.Process()
+    while not stop.is_set():
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                name, conns = p.name(), p.net_connections(kind="inet")
+            except psutil.Error:
+                continue
+            for c in conns:
+                if c.status == psutil.CONN_LISTEN:
+                    seen.setdefault(f"{c.laddr.ip} {c.laddr.port}", [name, phase[0]])
+        time.sleep(0.02)
+
+sampler = threading.Thread(target=sample, daemon=True)
+sampler.start()
+svc = VLLMService.launch(model, num_replicas=1, cpus_per_replica=0.5,
+                         health_check_interval=0, **LORA_KWARGS, **ENGINE_KWARGS)
+trainer = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+phase[0] = "storage push"
+with WeightSyncScheme(svc, transport="storage") as scheme:
+    perturb(trainer, seed=1)
+    scheme.push(trainer, version=1)
+phase[0] = "broadcast push"
+with WeightSyncScheme(svc, transport="broadcast") as scheme:
+    perturb(trainer, seed=2)
+    scheme.push(trainer, version=2)
+phase[0] = "sharded push (2 ranks)"
+with sharded_world(model, [{"seed": 3}]) as (results, _):
+    with WeightSyncScheme(svc, transport="storage") as scheme, ShardedWeightSync(scheme) as sync:
+        sync.push(shard(load(model, 3)))
+        assert results.get(timeout=120)[0] == "ok"
+phase[0] = "adapter push"
+with AdapterSync(svc, "policy", keep=1) as adapters:
+    adapters.push(make_adapter(model, out, seed=4), 4)
+phase[0] = "done"
+time.sleep(0.2)
+stop.set()
+sampler.join()
+svc.shutdown()
+print(json.dumps(seen), flush=True)
+"""
+
+
+def test_nothing_of_ours_listens_beyond_loopback_during_every_kind_of_push(tiny_model, tmp_path):
+    """A storage, a broadcast, a sharded (2 ranks) and an adapter push in a fresh process
+    that starts its own Ray: every socket that process or any it started listens on
+    while they run (Ray's, the replica's and vLLM's processes, gloo's pairs, the stores of
+    the broadcast group and of the sharded push, the trainer's own group) is on loopback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONPATH"] = os.getcwd()
+    out = subprocess.run(
+        [sys.executable, "-c", PUSHES, str(tiny_model), str(tmp_path / "adapter")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    listeners = [(name, *key.split(" "), phase) for key, (name, phase) in seen.items()]
+    print("listeners (process, address, port, first seen during):")
+    for row in sorted(listeners, key=lambda r: (r[3], r[0])):
+        print("  ", *row)
+    # The sampler saw the stores these two pushes open (so it was looking).
+    assert {"broadcast push", "sharded push (2 ranks)"} <= {row[3] for row in listeners}
+    exposed = [row for row in listeners if row[1] not in LOOPBACK]
+    assert not exposed, f"listening beyond loopback: {exposed}"

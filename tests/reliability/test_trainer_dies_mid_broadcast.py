@@ -18,9 +18,9 @@ import pytest
 import ray
 
 from torchrl_vllm_ext import WeightSyncError, WeightSyncScheme
+from torchrl_vllm_ext.listening import free_port
 from torchrl_vllm_ext.weight_sync.params import expected_specs, named_tensors, validate
 from torchrl_vllm_ext.weight_sync.specs import to_json
-from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import free_port
 from torchrl_vllm_ext.weight_sync.transports.packing import pack
 
 from ..helpers import assert_replicas_match, perturb, replica_logprobs, wait_ready, wait_until

@@ -174,7 +174,7 @@ def rendezvous_check(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks() -> dict:
-    from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import free_port
+    from torchrl_vllm_ext.listening import free_port
 
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()

@@ -6,14 +6,15 @@ spawned by it (:class:`~.ranks.TrainerRanks`) and run :func:`train_rank`. Each s
 rank in the same order:
 
 1. rank 0 splits the collected batch into ``N`` equal parts of whole GRPO groups (their
-   advantages are those of the full batch) and scatters them;
+   advantages are those of the full batch) and sends each rank its part, as plain data
+   (:mod:`.rank_messages`: JSON and tensor bytes, no pickle);
 2. every rank: GRPOLoss on its part, backward (FSDP2 averages the gradients over the
    ranks: the full batch's gradient when each part holds as many tokens), optimizer step;
-3. rank 0 gathers the ranks' metrics (:func:`combine_metrics`);
+3. rank 0 collects the ranks' metrics, as JSON (:func:`combine_metrics`);
 4. every rank pushes its shards (:class:`~torchrl_vllm_ext.ShardedWeightSync`): rank 0
    through the collector's updater, the others directly.
 
-A part of None tells the ranks to stop (:meth:`DataParallelStep.stop`).
+:data:`STOP` instead of a part tells the ranks to stop (:meth:`DataParallelStep.stop`).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import sys
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from tensordict import TensorDictBase
 from torch import nn
 
 from torchrl_vllm_ext.errors import ConfigurationError
 from torchrl_vllm_ext.grpo.config import GRPOConfig
+from torchrl_vllm_ext.grpo.rank_messages import receive, send_json, send_tensordict
 from torchrl_vllm_ext.grpo.ranks import TrainerRanks
 from torchrl_vllm_ext.grpo.trainer import GRPOTrainer, restrict_vocabulary
 from torchrl_vllm_ext.grpo.trainer_model import build_trainer, load_trainer_model
@@ -66,9 +67,13 @@ def check_trainer_ranks(cfg: GRPOConfig) -> None:
         )
 
 
+STOP = "stop"
+"""What rank 0 sends instead of a batch when the job is done."""
+
+
 def split_groups(batch: TensorDictBase, group_size: int, parts: int) -> list[TensorDictBase]:
     """``batch`` (rows ``[k*G, (k+1)*G)`` answer prompt ``k``) in ``parts`` equal runs of
-    whole groups, copied (each one pickles alone).
+    whole groups, copied (each one crosses to its rank alone).
 
     Examples:
         >>> from tensordict import TensorDict
@@ -123,7 +128,7 @@ def shard_model(model: nn.Module) -> nn.Module:
 
 class DataParallelStep:
     """Rank 0's training step over every trainer rank: ``step(batch)`` as
-    :meth:`GRPOTrainer.step`, the parts scattered and the metrics gathered.
+    :meth:`GRPOTrainer.step`, the parts sent to the ranks and their metrics collected.
 
     Args:
         trainer: rank 0's :class:`GRPOTrainer`, over its sharded model.
@@ -141,18 +146,17 @@ class DataParallelStep:
     def step(self, batch: TensorDictBase) -> dict[str, float]:
         self.trainer.set_advantage(batch)  # the full batch's, which the recorder reads
         parts = split_groups(batch, self.trainer.group_size, self.world)
-        mine = [None]
-        dist.scatter_object_list(mine, parts, src=0)
-        metrics = self.trainer.step(mine[0])
-        gathered: list = [None] * self.world
-        dist.gather_object(metrics, gathered, dst=0)
-        return combine_metrics(gathered)
+        for rank in range(1, self.world):
+            send_tensordict(parts[rank], rank)
+        metrics = self.trainer.step(parts[0])
+        return combine_metrics([metrics, *(receive(rank) for rank in range(1, self.world))])
 
     def stop(self) -> None:
         """Tell the other ranks the job is done (they close their sync and exit)."""
         if not self.stopped:
             self.stopped = True
-            dist.scatter_object_list([None], [None] * self.world, src=0)
+            for rank in range(1, self.world):
+                send_json(STOP, rank)
 
     def __enter__(self) -> DataParallelStep:
         return self
@@ -173,7 +177,7 @@ def start_trainer_ranks(cfg: GRPOConfig, model_path, token_ids) -> TrainerRanks:
 
 def train_rank(rank: int, world: int, cfg: GRPOConfig, model_path: str, token_ids: list) -> None:
     """A spawned rank's loop: load and shard the model, then train on each part rank 0
-    scatters and push, until it scatters None."""
+    sends and push, until it sends STOP."""
     from torchrl_vllm_ext import ShardedWeightSync
 
     _log_to(cfg.log_file, rank)
@@ -195,15 +199,14 @@ def train_rank(rank: int, world: int, cfg: GRPOConfig, model_path: str, token_id
 
 
 def serve_steps(trainer, push: Callable[[], object]) -> int:
-    """Ranks 1..N-1: train on each part rank 0 scatters (:class:`DataParallelStep`), send
-    the metrics, ``push()``; until rank 0 scatters None. Returns the steps served."""
+    """Ranks 1..N-1: train on each part rank 0 sends (:class:`DataParallelStep`), send the
+    metrics back, ``push()``; until rank 0 sends :data:`STOP`. Returns the steps served."""
     steps = 0
     while True:
-        part = [None]
-        dist.scatter_object_list(part, None, src=0)
-        if part[0] is None:
+        part = receive(0)
+        if not isinstance(part, TensorDictBase):  # rank 0's STOP
             return steps
-        dist.gather_object(trainer.step(part[0]), None, dst=0)
+        send_json(trainer.step(part), 0)
         push()
         steps += 1
 

@@ -1,7 +1,7 @@
 """TrainerRanks: ranks 1..N-1 of a trainer, spawned by rank 0 and joined to its gloo group.
 
 Rank 0 is the process that builds :class:`TrainerRanks` (the job's, which also holds the
-service). It serves a ``TCPStore`` on the loopback (a port the system picks: no race for a
+service). It serves a ``TCPStore`` on the loopback only (a port the system picks: no race for a
 free one), spawns the other ranks (multiprocessing's spawn context: no fork of a process
 running Ray's and the service's threads), waits until each one reached the store, checking
 that none died on the way, and only then joins the process group itself: a rank that fails
@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from torchrl_vllm_ext.errors import TorchRLVLLMError, TrainerRankError
+from torchrl_vllm_ext.listening import serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -110,9 +111,7 @@ class TrainerRanks:
         self.world = world
         self.join_timeout_s = join_timeout_s
         self.processes: list[multiprocessing.Process] = []
-        self.store = dist.TCPStore(
-            HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-        )
+        self.store = serve_store(HOST, timedelta(seconds=60))
         try:
             context = multiprocessing.get_context("spawn")
             for rank in range(1, world):

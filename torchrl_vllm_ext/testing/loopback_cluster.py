@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import free_port
+from torchrl_vllm_ext.listening import free_port
 
 logger = logging.getLogger(__name__)
 

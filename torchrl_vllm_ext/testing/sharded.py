@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import functools
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from torchrl_vllm_ext.listening import listen, serve_store
 
 
 def shard(model: nn.Module, mesh=None) -> nn.Module:
@@ -44,10 +47,16 @@ def load(model_dir: str | Path, seed: int | None = None, dtype=torch.float32) ->
 
 
 def init_gloo(rank: int, world: int, port: int) -> None:
-    """Join a gloo world of ``world`` ranks on the loopback at ``port``."""
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    """Join a gloo world of ``world`` ranks on the loopback at ``port``: rank 0 serves its
+    store there only (``init_method="env://"`` would listen on every interface)."""
+    host = "127.0.0.1"
+    os.environ["MASTER_ADDR"] = host  # where ShardedWeightSync's own store listens
+    timeout = timedelta(seconds=60)
+    if rank == 0:
+        store = serve_store(host, timeout, listener=listen(host, port))
+    else:
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 def peak_torch_bytes(work):

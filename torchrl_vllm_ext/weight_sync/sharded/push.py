@@ -26,12 +26,10 @@ version, as with a writer killed mid-write.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 import logging
 import math
-import pickle
 import time
 
 import torch
@@ -53,7 +51,7 @@ from torchrl_vllm_ext.weight_sync.sharded.streamed import (
     header_of,
 )
 from torchrl_vllm_ext.weight_sync.sources import unwrap
-from torchrl_vllm_ext.weight_sync.specs import SlotManifest, TensorSpec
+from torchrl_vllm_ext.weight_sync.specs import SlotManifest, TensorSpec, from_json, to_json
 from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes
 from torchrl_vllm_ext.weight_sync.verify import collective_reference
 
@@ -90,16 +88,21 @@ class ShardedWeightSync:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        holders = [None] * self.world
-        dist.all_gather_object(holders, scheme is not None, group=group)
+        self.rendezvous = Rendezvous(group, host)
+        try:
+            self.rendezvous.post("holds_scheme", scheme is not None)
+            holders = self.rendezvous.gather("holds_scheme", 600.0)
+        except BaseException:
+            self.rendezvous.close()
+            raise
         if holders != [True] + [False] * (self.world - 1):
+            self.rendezvous.close()
             raise ConfigurationError(
                 f"ShardedWeightSync: the ranks holding a scheme are "
                 f"{[r for r, h in enumerate(holders) if h]}; rank 0 of the group must hold the "
                 "WeightSyncScheme and every other rank pass None."
             )
         self.scheme = scheme
-        self.rendezvous = Rendezvous(group, host)
         self.blocks = SlotBlocks()
         self.version: str | None = None
         """The version the last push made live (the same on every rank)."""
@@ -279,7 +282,7 @@ class ShardedWeightSync:
             except Exception as e:
                 rv.fail("result", e)
             else:
-                rv.post("result", base64.b64encode(pickle.dumps(report)).decode())
+                rv.post("result", to_json(report))
         elif self.route == "broadcast":
             try:  # the gathers rank 0 sends from, in lockstep
                 for _ in gathered(state, plan["specs"], plan["buckets"], False, self.group):
@@ -288,7 +291,7 @@ class ShardedWeightSync:
                 logger.error("rank %d: the streamed gather failed: %s", self.rank, e)
         # the scheme's steps: stage, pause and load, probe (each within this deadline)
         posted = rv.one("result", 0, 3 * deadline)
-        return pickle.loads(base64.b64decode(posted))
+        return from_json(posted, SyncReport)
 
     def _leader_push(self, plan: dict, sums, reference, state) -> SyncReport:
         """Rank 0's step 5: the scheme's push of what the ranks wrote (or stream); its

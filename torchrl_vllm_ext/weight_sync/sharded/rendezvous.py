@@ -7,6 +7,10 @@ all-gathers, a broadcast to the replicas). So rank 0 serves a ``TCPStore`` and e
 posts under ``<push>/<step>/<rank>``; a wait polls until every rank posted or the step's
 deadline passes, then names the ranks that did not. A rank that failed posts its error
 instead of its value, and every rank raises the same :class:`ShardedPushError`.
+
+The store listens on the host it is given only (:mod:`torchrl_vllm_ext.listening`), and
+what the ranks post is JSON: a process that reaches the port can read or spoil a push's
+coordination, never run code in a rank.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import os
 import time
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from torchrl_vllm_ext.errors import ShardedPushError
+from torchrl_vllm_ext.listening import serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -42,17 +48,15 @@ class Rendezvous:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         host = host or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        address = [None]
+        timeout = timedelta(seconds=30)
         if self.rank == 0:
-            self.store = dist.TCPStore(
-                host, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-            )
-            address = [(host, self.store.port)]
+            self.store = serve_store(host, timeout)
+            address = json.dumps([host, self.store.port])
         leader = dist.get_global_rank(group or dist.group.WORLD, 0)
-        dist.broadcast_object_list(address, src=leader, group=group)
+        address = broadcast_text(address if self.rank == 0 else "", leader, group)
         if self.rank != 0:
-            host, port = address[0]
-            self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+            host, port = json.loads(address)
+            self.store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
         self.push = 0
         """The push the ranks are at (every rank counts its own calls)."""
         self._posted: dict[int, list[str]] = {}
@@ -161,6 +165,30 @@ class Rendezvous:
         # No key is deleted: rank 0's store goes with it, once the others left.
         self._posted = {}
         self.store = None
+
+
+ADDRESS_BYTES = 1024
+"""Room for the store's address (host and port, as JSON) in the one broadcast that
+hands it to the other ranks."""
+
+
+def broadcast_text(text: str, src: int, group=None) -> str:
+    """``text`` of rank ``src`` (a global rank) on every rank of ``group``: UTF-8 bytes in
+    one fixed-size tensor broadcast (torch's object broadcast would unpickle what it
+    receives). On the group's device: the current GPU for NCCL, else the host."""
+    data = text.encode()
+    if len(data) > ADDRESS_BYTES:
+        raise ValueError(f"{len(data)} bytes do not fit the {ADDRESS_BYTES}-byte broadcast")
+    device = "cpu"
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.zeros(ADDRESS_BYTES + 8, dtype=torch.uint8, device=device)
+    buf[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    if data:
+        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    raw = bytes(buf.cpu().tolist())
+    return raw[8 : 8 + int.from_bytes(raw[:8], "little")].decode()
 
 
 def _is_failure(value) -> bool:

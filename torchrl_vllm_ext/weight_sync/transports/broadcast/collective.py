@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.listening import gloo_options, listen, serve_store
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +31,19 @@ def make_process_group(
     """A process group outside torch.distributed's global state (the worker has its own).
 
     Rank 0 serves the rendezvous store on ``listener``, a socket bound to ``host``
-    (bound here when not given), which the store takes over. The only difference
-    between the GPU and CPU paths is the backend class.
+    (bound here when not given), which the store takes over; gloo's pairs listen on
+    ``host`` when it is the loopback (:mod:`torchrl_vllm_ext.listening`). The only
+    difference between the GPU and CPU paths is the backend class.
     """
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
     if rank == 0:
-        # NOTE: TCPStore alone listens on every interface; on a socket bound to ``host``
-        # (loopback on one machine) the store is reachable from the group's hosts only.
-        listener = listener if listener is not None else listen(host, port)
-        # The store closes the descriptor when it goes: hand it over.
-        fd = listener.detach()
-        store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=fd)
+        if listener is None:
+            listener = listen(host, port)
+        store = serve_store(
+            host, timeout, world_size=world_size, wait_for_workers=True, listener=listener
+        )
     else:
         store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     if backend == "nccl":
@@ -50,7 +51,7 @@ def make_process_group(
         options._timeout = timeout  # the push's deadline, not torch's 10-minute default
         pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
     elif backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))
+        pg = dist.ProcessGroupGloo(store, rank, world_size, gloo_options(host, timeout))
     else:
         raise WeightSyncError(
             f"broadcast backend {backend!r} is not supported; use 'gloo' or 'nccl'."
@@ -69,24 +70,6 @@ def end_group(backend: str, pg) -> None:
             pg.abort()
         except Exception:  # already torn down: nothing left to free
             logger.debug("aborting the NCCL weight-broadcast group failed", exc_info=True)
-
-
-def listen(host: str, port: int = 0) -> socket.socket:
-    """A listening TCP socket bound to ``host`` only (``port`` 0: a free one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    return sock
-
-
-def free_port(host: str) -> int:
-    """A port on ``host`` that was free a moment ago (for tools and tests: the trainer's
-    rendezvous binds its listener first, see :func:`listen`)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class BroadcastGroup:

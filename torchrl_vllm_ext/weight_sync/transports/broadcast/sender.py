@@ -29,6 +29,7 @@ import torch
 
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.extensions import WorkerMethods
+from torchrl_vllm_ext.listening import listen
 from torchrl_vllm_ext.weight_sync.delta import (
     WORTH_SHARE,
     checksum_after,
@@ -41,7 +42,7 @@ from torchrl_vllm_ext.weight_sync.params import (
     torch_dtype,
 )
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, to_json
-from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup, listen
+from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots, with_checksums
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     STAGED_POLL_S,
