@@ -155,8 +155,15 @@ def test_tensor_parallel_replica_receives_full_tensors(tiny_model, ray_cluster, 
         for transport in reversed(CPU_TRANSPORTS):
             with WeightSyncScheme(tp2, transport=transport) as scheme:
                 perturb(trainer, seed=len(transport))
-                scheme.push(trainer, version=f"tp2-{transport}")
+                report = scheme.push(trainer, version=f"tp2-{transport}")
                 assert_replicas_match(tp2, trainer, f"tp2-{transport}")
+                # Each worker receives every tensor whole and keeps its shards (its load
+                # plan's slices): about half of the sharded bytes, the replicated ones.
+                (workers,) = report.loads.values()
+                kept = [w["kept_bytes"] for w in workers]
+                print(f"tp2 {transport}: received {report.nbytes}, kept {kept}")
+                assert len(kept) == 2 and all(0 < k < report.nbytes for k in kept), kept
+                assert sum(kept) >= report.nbytes and 0.5 < report.kept_share < 1.0
 
 
 def test_a_push_while_paused_leaves_the_replicas_paused_and_checks_them_at_resume(

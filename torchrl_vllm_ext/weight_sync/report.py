@@ -50,7 +50,8 @@ class SyncReport:
     """Per replica, per worker: how it loaded (``path``: ``replay`` of its load plan,
     ``scatter`` of a delta's changed values through it, ``trace`` on the first push of a
     layout, ``loader``, or ``layerwise`` for MoE / quantized / CPU-packed models;
-    ``nbytes``, ``replayed_bytes`` (a scatter's: the bytes it wrote), ``why``:
+    ``nbytes`` (received), ``kept_bytes`` (its slices: :attr:`kept_share`),
+    ``replayed_bytes`` (a scatter's: the bytes it wrote), ``why``:
     :class:`~torchrl_vllm_ext.weight_sync.loading.planned.LoadReport`)."""
 
     sent_bytes: int = 0
@@ -75,6 +76,15 @@ class SyncReport:
         """Bytes every replica's workers loaded by their plan's replay (one batched copy),
         summed over replicas and workers."""
         return sum(w.get("replayed_bytes", 0) for ws in self.loads.values() for w in ws)
+
+    @property
+    def kept_share(self) -> float | None:
+        """What the workers keep of what they received, summed over every worker whose
+        load plan says (1.0: every worker keeps every byte it got; a tensor-parallel
+        replica's workers keep about 1 / TP of the sharded tensors); None: none says."""
+        reported = [w for ws in self.loads.values() for w in ws if w.get("kept_bytes") is not None]
+        received = sum(w["nbytes"] for w in reported)
+        return sum(w["kept_bytes"] for w in reported) / received if received else None
 
     @property
     def replayed_share(self) -> float | None:

@@ -39,6 +39,7 @@ from torchrl_vllm_ext.weight_sync.loading.plan import (
 )
 from torchrl_vllm_ext.weight_sync.loading.recorder import trace
 from torchrl_vllm_ext.weight_sync.loading.scatter import Changes, scatter
+from torchrl_vllm_ext.weight_sync.loading.slices import kept_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ class LoadReport:
     """Of those, the bytes the plan copied (``replay``; ``scatter``: the bytes written)."""
     why: str | None = None
     """Why the loader loaded (``loader``, ``layerwise``) or what it keeps (``replay``)."""
+    kept_bytes: int | None = None
+    """Of ``nbytes``, the bytes this worker keeps: its slices of the pushed tensors, read
+    off its load plan (:mod:`.slices`; a tensor-parallel rank keeps its shards); None where
+    no plan says (the loader's loads)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -97,6 +102,7 @@ class PlannedLoader:
         self.enabled = enabled_by_env()
         self._plans: OrderedDict[tuple, LoadPlan | str] = OrderedDict()
         self._bound: dict[tuple, BoundPlan] = {}
+        self._kept: dict[tuple, int] = {}
         self.written: tuple | None = None
         """The layout whose plan the last load wrote through (replay, trace, scatter);
         None after any other load (the loader's, a failed one)."""
@@ -110,6 +116,7 @@ class PlannedLoader:
         """Drop every plan (the next push of each layout is traced again)."""
         self._plans.clear()
         self._bound.clear()
+        self._kept.clear()
         self.written = None
 
     def scatter(
@@ -138,7 +145,8 @@ class PlannedLoader:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         itemsize = max((t.element_size() for t in bound.tensors.values()), default=0)
         why = f"the loader keeps {sorted(kept)}" if kept else None
-        return LoadReport("scatter", nbytes, elements * itemsize, why)
+        kept_bytes = self._kept_bytes(key, bound.plan)
+        return LoadReport("scatter", nbytes, elements * itemsize, why, kept_bytes)
 
     def load(
         self,
@@ -172,7 +180,9 @@ class PlannedLoader:
                 self._replay(load, bound, named, non_blocking)
                 self.written = key
                 kept = f"the loader keeps {sorted(plan.loader)}" if plan.loader else None
-                return LoadReport("replay", nbytes, plan.replayed_bytes, kept)
+                return LoadReport(
+                    "replay", nbytes, plan.replayed_bytes, kept, self._kept_bytes(key, plan)
+                )
             logger.info(
                 "a parameter of the model moved since its load plan was traced (a new "
                 "pointer, shape, stride or dtype): tracing the loader again"
@@ -227,7 +237,13 @@ class PlannedLoader:
             f"; the loader keeps {_reasons(plan.loader)}" if plan.loader else "",
             f"; the loader skips {len(plan.skipped)}" if plan.skipped else "",
         )
-        return LoadReport("trace", nbytes)
+        return LoadReport("trace", nbytes, kept_bytes=self._kept_bytes(key, plan))
+
+    def _kept_bytes(self, key: tuple, plan: LoadPlan) -> int:
+        """The bytes of ``plan``'s layout this worker keeps (worked out once per plan)."""
+        if key not in self._kept:
+            self._kept[key] = kept_bytes(plan)
+        return self._kept[key]
 
     def _refuse(self, key: tuple, nbytes: int, why: str) -> LoadReport:
         logger.warning("no load plan for this layout, the loader loads every push: %s", why)
@@ -240,6 +256,7 @@ class PlannedLoader:
         while len(self._plans) > self.keep:
             old, _ = self._plans.popitem(last=False)
             self._bound.pop(old, None)
+            self._kept.pop(old, None)
 
 
 def _reasons(loader: dict[str, str], limit: int = 3) -> str:
