@@ -10,8 +10,9 @@ import torch
 from torchrl_vllm_ext import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.weight_sync import delta as d
 from torchrl_vllm_ext.weight_sync.transport_choice import delta_dtype
-from torchrl_vllm_ext.weight_sync.transports.packing import PackSlots, pack
+from torchrl_vllm_ext.weight_sync.transports.packing import pack
 from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotReader, SlotWriter
+from torchrl_vllm_ext.weight_sync.transports.versions import PackedVersions
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -127,11 +128,17 @@ def test_a_slot_of_another_dtype_is_refused_by_name():
         writer.close()
 
 
-def test_pack_slots_cast_into_the_spare_set():
-    slots = PackSlots()
-    a = slots.pack(model(), "1", committed=None, dtype=torch.bfloat16)
-    b = slots.pack(step(model(), 1e-3, 1), "2", committed=a, dtype=torch.bfloat16)
-    c = slots.pack(model(), "3", committed=b, dtype=torch.bfloat16)
+def commit(versions: PackedVersions, packed):
+    versions.stage(packed)
+    versions.commit()
+    return packed
+
+
+def test_packed_versions_cast_into_the_spare_set():
+    versions = PackedVersions()
+    a = commit(versions, versions.pack(model(), "1", dtype=torch.bfloat16))
+    b = commit(versions, versions.pack(step(model(), 1e-3, 1), "2", dtype=torch.bfloat16))
+    c = versions.pack(model(), "3", dtype=torch.bfloat16)
     assert c.buffers is a.buffers and b.buffers is not a.buffers
     assert all(s.dtype == "bfloat16" for s in c.header.buckets)
     assert torch.equal(c.tensors()["q"], model()["q"].to(torch.bfloat16))
@@ -166,11 +173,12 @@ class _Group:
 
 
 def _receiver(sent):
+    from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import JoinedGroup
     from torchrl_vllm_ext.weight_sync.transports.broadcast.receiver import BroadcastReceiver
 
     receiver = BroadcastReceiver(loads=None)
     receiver.group, receiver.backend, receiver.device = (
-        (None, _Group(sent)),
+        JoinedGroup(None, _Group(sent)),
         "gloo",
         torch.device("cpu"),
     )
@@ -198,7 +206,7 @@ def test_a_worker_rebuilds_each_version_from_its_buffers_and_refuses_another_bas
     receiver._receive(v1.header)
     assert receiver.held == "1"
     header, payloads = _delta_update(v2, v1)
-    receiver.group[1].sent = payloads
+    receiver.group.process_group.sent = payloads
     received = receiver._receive(header)
     named = dict(received.named)
     assert receiver.held == "2" and received.changes.base == "1"
@@ -206,13 +214,13 @@ def test_a_worker_rebuilds_each_version_from_its_buffers_and_refuses_another_bas
     assert changed and changed <= set(named)  # what the pause scatters (test_load_plan.py)
     assert all(torch.equal(named[n], t) for n, t in v2.tensors().items())
     header, payloads = _delta_update(v3, v1)  # a delta of 1, but the worker holds 2
-    receiver.group[1].sent = payloads
+    receiver.group.process_group.sent = payloads
     with pytest.raises(WeightSyncError, match="buffers hold 2"):
         receiver._receive(header)
-    assert not receiver.group[1].sent  # every payload was received first
+    assert not receiver.group.process_group.sent  # every payload was received first
     header, payloads = _delta_update(v3, v2)
     payloads[0][0] ^= 1  # one bit flipped on the way
-    receiver.group[1].sent = payloads
+    receiver.group.process_group.sent = payloads
     with pytest.raises(WeightSyncError, match="after its delta"):
         receiver._receive(header)
     assert receiver.held is None  # nothing whole: the next delta is refused too
