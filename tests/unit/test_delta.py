@@ -38,7 +38,7 @@ def test_a_base_plus_its_delta_is_the_new_version_bit_for_bit(dtype):
     new = pack(new_tensors, "2", bucket_bytes=2000, dtype=dtype)
     assert len(new.buffers) > 1
     for spec, nb, ob in zip(new.header.buckets, new.buffers, old.buffers, strict=True):
-        delta, payload = d.diff_bucket(nb, ob, spec)
+        delta, payload, _ = d.diff_and_sum(nb, ob, spec)
         assert payload.numel() == d.payload_bytes(spec, delta)
         held = ob.clone()
         d.apply_bucket(held, spec, delta, payload)
@@ -52,11 +52,11 @@ def test_a_mostly_changed_tensor_goes_whole_and_an_unchanged_bucket_sends_nothin
     changed["embed"][0, :3] += 1.0  # 3 of 1024 values of embed
     new = pack(changed, "2", dtype=torch.bfloat16)
     (spec,) = new.header.buckets
-    delta, payload = d.diff_bucket(new.buffers[0], old.buffers[0], spec)
+    delta, payload, _ = d.diff_and_sum(new.buffers[0], old.buffers[0], spec)
     assert delta.dense == ((64 * 16, 16 * 16),)  # q, after embed
     assert delta.positions == 3 and delta.index_dtype == "int32"
     assert payload.numel() == d.payload_bytes(spec, delta) < new.nbytes / 4
-    same, nothing = d.diff_bucket(old.buffers[0], old.buffers[0].clone(), spec)
+    same, nothing, _ = d.diff_and_sum(old.buffers[0], old.buffers[0].clone(), spec)
     assert same == d.BucketDelta((), 0) and nothing.numel() == 0
 
 
@@ -69,7 +69,7 @@ def test_the_threshold_decides_by_the_share_changed(share):
     from torchrl_vllm_ext.weight_sync.specs import BucketSpec, TensorSpec
 
     spec = BucketSpec("float32", (TensorSpec("w", "float32", (n,)),), 4 * n, 0)
-    delta, _ = d.diff_bucket(new.view(torch.uint8), old.view(torch.uint8), spec)
+    delta, _, _ = d.diff_and_sum(new.view(torch.uint8), old.view(torch.uint8), spec)
     whole = share > d.DENSE_SHARE
     assert (delta.dense == ((0, n),)) == whole
     assert delta.positions == (0 if whole else int(share * n))
@@ -82,14 +82,14 @@ def test_changed_positions_agree_with_an_elementwise_comparison(dtype):
         old = torch.randint(0, 50, (n + offset,), generator=g).to(dtype)[offset:]
         new = old.clone()
         new[torch.randint(0, n, (n // 20 + 1,), generator=g)] += 1
-        assert torch.equal(d.changed_positions(new, old), (new != old).nonzero().squeeze(1))
+        assert torch.equal(d.changed_positions(new, old)[0], (new != old).nonzero().squeeze(1))
 
 
 def test_bits_are_compared_not_values():
     old, new = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
     assert d.changed_positions(
         d.words(new.view(torch.uint8), "float32"), d.words(old.view(torch.uint8), "float32")
-    ).tolist() == [0]
+    )[0].tolist() == [0]
 
 
 def test_served_dtype_slots_alternate_and_a_killed_write_leaves_readers_on_the_published_one():
@@ -189,7 +189,7 @@ def _delta_update(new, base):
     from torchrl_vllm_ext.weight_sync.specs import UpdateHeader
 
     pairs = [
-        d.diff_bucket(n, o, s)
+        d.diff_and_sum(n, o, s)
         for s, n, o in zip(new.header.buckets, new.buffers, base.buffers, strict=True)
     ]
     header = UpdateHeader(
@@ -261,7 +261,7 @@ def test_a_word_shared_by_a_changed_value_and_a_tensor_sent_whole_is_summed_once
     new[9] = 99.0  # one of a's (9%: by position)
     new[11:] = -1.0  # all of b: sent whole
     new = new.view(torch.uint8)
-    delta, payload = d.diff_bucket(new, old, spec)
+    delta, payload, _ = d.diff_and_sum(new, old, spec)
     assert delta.dense == ((11, 5),) and delta.positions == 1
     _, positions = d.split_payload(spec, delta, payload)
     touched = d.touched_words(spec, delta, positions)
