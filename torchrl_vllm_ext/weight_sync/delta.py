@@ -18,9 +18,9 @@ when more than :data:`DENSE_SHARE` of it changed. Plain functions over flat uint
   the served parameters (:mod:`.loading.scatter`);
 
 Storage sends no deltas: its slots hold whole versions in the served dtype (half an fp32
-push's bytes). A slot is written in 4 KB pages, and at lr 1e-6 a page of 2048 bf16 values
-holds ~4 changed ones, so writing only the changed values dirties nearly every page and
-reads the slot besides: measured slower than writing it whole (``bench_delta``, 2026-11-28).
+push's bytes). A slot is written in 4 KB pages and a step's few changed values fall in
+nearly every page, so writing only those dirties nearly every page and reads the slot
+besides: slower than writing it whole (measured: ``benchmarks/README.md``).
 
 The comparison is of bits (``-0.0`` and ``0.0`` differ, a NaN never equals itself: a push
 is finite anyway), so a base plus its delta is the new version bit for bit.
@@ -38,10 +38,9 @@ from torchrl_vllm_ext.weight_sync.specs import BucketDelta, BucketSpec
 
 DENSE_SHARE = 0.1
 """A tensor with more than this share of its elements changed is sent whole. A changed bf16
-element costs its value and a 4-byte position (3x the value), and writing it by position
-costs more than copying: on a 64 MB bf16 bucket, 2 cores (``benchmarks/bench_delta.py
---dense-shares``, 2026-11-28), 10% by position took 15 ms against 8 ms whole, 25% 38 ms
-against 6 ms; up to ~10% the bytes saved pay for it on a link of a few GB/s."""
+element costs its value and a 4-byte position (three times the value), and the receiver
+writes it by position, which costs more than copying the tensor whole past about this
+share (measured: ``benchmarks/README.md``, ``bench_delta.py --dense-shares``)."""
 
 WORTH_SHARE = 0.5
 """A delta whose payload exceeds this share of the full update's bytes is not sent: the
@@ -49,7 +48,7 @@ full update goes instead (float32 serving, where every value changes, or a first
 
 CHUNK = 1 << 20
 """Elements compared at a time on the CPU (a few MB: the comparison's scratch stays in
-cache: about twice as fast as whole 178 MB buckets on 2 cores)."""
+cache, faster than comparing whole buckets; ``benchmarks/README.md``)."""
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
