@@ -283,6 +283,8 @@ class BroadcastTransport(Transport):
             check=lambda outcomes, v: self._check(outcomes, "receive", v),
             sending=sending,
         )
+        if not sending.done():  # no replica to poll: the send alone (the group's timeout)
+            await asyncio.wait({sending})
         if sending.exception() is not None:
             await self._send_failed(sending.exception(), replicas, version)
 
