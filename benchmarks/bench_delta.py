@@ -150,7 +150,7 @@ def dense_shares(shares: list[float], mb: int = 64) -> dict:
         idx = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: int(share * n)]
         new[idx] += 1
         new = new.view(torch.uint8)
-        sparse, payload = delta.diff_bucket(new, old, spec, dense_share=1.0)
+        sparse, payload, _ = delta.diff_and_sum(new, old, spec, dense_share=1.0)
         held = old.clone()
         t0 = time.perf_counter()
         delta.apply_bucket(held, spec, sparse, payload)
@@ -235,7 +235,7 @@ def scatter_shares(shares: list[float], layers: int, hidden: int, repeats: int =
             changed = []
             buckets = zip(packed.header.buckets, held.buffers, packed.buffers, strict=True)
             for bucket, old, now in buckets:
-                sparse, payload = delta.diff_bucket(now, old.clone(), bucket, dense_share=1.0)
+                sparse, payload, _ = delta.diff_and_sum(now, old.clone(), bucket, dense_share=1.0)
                 positions, values = delta.apply_bucket(old.clone(), bucket, sparse, payload)
                 changed.append(delta.bucket_change(bucket, sparse, positions, values))
             changes = scatter.Changes("0", tuple(changed))

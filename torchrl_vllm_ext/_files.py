@@ -24,12 +24,12 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-def write_text_atomic(path: str | Path, text: str, fsync_dir=None) -> None:
+def write_text_atomic(path: str | Path, text: str) -> None:
     """Replace ``path`` with ``text`` atomically and durably (0600).
 
     Write a temporary file beside it, fsync it, rename it over ``path``, fsync the
     directory: a reader sees the old content or the new, never a torn file, even if
-    the writer is killed. ``fsync_dir`` replaces :func:`fsync_path` for the last step.
+    the writer is killed.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -39,7 +39,7 @@ def write_text_atomic(path: str | Path, text: str, fsync_dir=None) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    (fsync_dir or fsync_path)(path.parent)
+    fsync_path(path.parent)
 
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:

@@ -1,12 +1,9 @@
-"""The ``torchrl-vllm`` command line.
+"""torchrl-vllm: TorchRL jobs on vLLM replicas.
 
-- ``demo``: the GRPO main job on a tiny local model (``jobs/demo.py``).
-- ``generate``: TensorDict in, TensorDict out, resumable (``jobs/generate.py``).
-- ``bench``: run the benchmarks and print one JSON table (``jobs/bench.py``).
-- ``doctor``: the package's leftovers on this machine; ``--clean`` removes the dead
-  owners' (``jobs/doctor.py``).
-- ``check-model``: serve a model on one replica, score it against transformers, push
-  round trips on every CPU transport of the registry (``jobs/check_model.py``).
+Train a model with GRPO (demo), generate for a file of prompts (generate), run the
+benchmarks (bench), check that a model is served and synced exactly (check-model), or
+list and clean up what the package left on this machine (doctor). Run
+"torchrl-vllm COMMAND --help" for the options of a command.
 """
 
 from __future__ import annotations

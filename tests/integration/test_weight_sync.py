@@ -201,17 +201,15 @@ def test_a_planned_push_mixes_routes_commits_one_version_and_brings_up_restarts(
 
     first = service.replica_ids[0]
 
-    def by_id(trainer_place, workers, shared_dir):
-        return TransportPlan(
-            tuple(ReplicaPlan(r, "storage" if r == first else "gloo") for r in sorted(workers))
-        )
-
     scheme = WeightSyncScheme(service, transport="storage")
     scheme.transport_impl.close()
     options = TransportOptions(bucket_bytes=1 << 20, deadline=scheme.deadline)
 
     class ByIdTransport(PlannedTransport):  # CPU replicas through a mixed plan
-        planner = staticmethod(by_id)
+        def _plan(self, places):
+            return TransportPlan(
+                tuple(ReplicaPlan(r, "storage" if r == first else "gloo") for r in sorted(places))
+            )
 
     scheme.transport_impl = ByIdTransport(service.pool, options)
     with scheme:

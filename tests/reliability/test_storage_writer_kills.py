@@ -84,8 +84,10 @@ def write_and_die(root: str, version: int, point: str | None) -> None:
             _die()
 
         storage.os.replace = replace
-    if point == "after_fsync_dir":
-        storage._fsync_dir = lambda path: _die()
+    if point == "after_fsync_dir":  # the rename is made durable by fsyncing the directory
+        from torchrl_vllm_ext import _files
+
+        _files.fsync_path = lambda path: _die()
     SlotWriter(root).write(weights(version), str(version))
     if point is not None:
         raise AssertionError(f"the writer passed kill point {point!r} alive")

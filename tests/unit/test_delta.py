@@ -10,8 +10,9 @@ import torch
 from torchrl_vllm_ext import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.weight_sync import delta as d
 from torchrl_vllm_ext.weight_sync.transport_choice import delta_dtype
-from torchrl_vllm_ext.weight_sync.transports.packing import PackSlots, pack
+from torchrl_vllm_ext.weight_sync.transports.packing import pack
 from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotReader, SlotWriter
+from torchrl_vllm_ext.weight_sync.transports.versions import PackedVersions
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -37,7 +38,7 @@ def test_a_base_plus_its_delta_is_the_new_version_bit_for_bit(dtype):
     new = pack(new_tensors, "2", bucket_bytes=2000, dtype=dtype)
     assert len(new.buffers) > 1
     for spec, nb, ob in zip(new.header.buckets, new.buffers, old.buffers, strict=True):
-        delta, payload = d.diff_bucket(nb, ob, spec)
+        delta, payload, _ = d.diff_and_sum(nb, ob, spec)
         assert payload.numel() == d.payload_bytes(spec, delta)
         held = ob.clone()
         d.apply_bucket(held, spec, delta, payload)
@@ -51,11 +52,11 @@ def test_a_mostly_changed_tensor_goes_whole_and_an_unchanged_bucket_sends_nothin
     changed["embed"][0, :3] += 1.0  # 3 of 1024 values of embed
     new = pack(changed, "2", dtype=torch.bfloat16)
     (spec,) = new.header.buckets
-    delta, payload = d.diff_bucket(new.buffers[0], old.buffers[0], spec)
+    delta, payload, _ = d.diff_and_sum(new.buffers[0], old.buffers[0], spec)
     assert delta.dense == ((64 * 16, 16 * 16),)  # q, after embed
     assert delta.positions == 3 and delta.index_dtype == "int32"
     assert payload.numel() == d.payload_bytes(spec, delta) < new.nbytes / 4
-    same, nothing = d.diff_bucket(old.buffers[0], old.buffers[0].clone(), spec)
+    same, nothing, _ = d.diff_and_sum(old.buffers[0], old.buffers[0].clone(), spec)
     assert same == d.BucketDelta((), 0) and nothing.numel() == 0
 
 
@@ -68,7 +69,7 @@ def test_the_threshold_decides_by_the_share_changed(share):
     from torchrl_vllm_ext.weight_sync.specs import BucketSpec, TensorSpec
 
     spec = BucketSpec("float32", (TensorSpec("w", "float32", (n,)),), 4 * n, 0)
-    delta, _ = d.diff_bucket(new.view(torch.uint8), old.view(torch.uint8), spec)
+    delta, _, _ = d.diff_and_sum(new.view(torch.uint8), old.view(torch.uint8), spec)
     whole = share > d.DENSE_SHARE
     assert (delta.dense == ((0, n),)) == whole
     assert delta.positions == (0 if whole else int(share * n))
@@ -81,14 +82,14 @@ def test_changed_positions_agree_with_an_elementwise_comparison(dtype):
         old = torch.randint(0, 50, (n + offset,), generator=g).to(dtype)[offset:]
         new = old.clone()
         new[torch.randint(0, n, (n // 20 + 1,), generator=g)] += 1
-        assert torch.equal(d.changed_positions(new, old), (new != old).nonzero().squeeze(1))
+        assert torch.equal(d.changed_positions(new, old)[0], (new != old).nonzero().squeeze(1))
 
 
 def test_bits_are_compared_not_values():
     old, new = torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0])
     assert d.changed_positions(
         d.words(new.view(torch.uint8), "float32"), d.words(old.view(torch.uint8), "float32")
-    ).tolist() == [0]
+    )[0].tolist() == [0]
 
 
 def test_served_dtype_slots_alternate_and_a_killed_write_leaves_readers_on_the_published_one():
@@ -127,11 +128,17 @@ def test_a_slot_of_another_dtype_is_refused_by_name():
         writer.close()
 
 
-def test_pack_slots_cast_into_the_spare_set():
-    slots = PackSlots()
-    a = slots.pack(model(), "1", committed=None, dtype=torch.bfloat16)
-    b = slots.pack(step(model(), 1e-3, 1), "2", committed=a, dtype=torch.bfloat16)
-    c = slots.pack(model(), "3", committed=b, dtype=torch.bfloat16)
+def commit(versions: PackedVersions, packed):
+    versions.stage(packed)
+    versions.commit()
+    return packed
+
+
+def test_packed_versions_cast_into_the_spare_set():
+    versions = PackedVersions()
+    a = commit(versions, versions.pack(model(), "1", dtype=torch.bfloat16))
+    b = commit(versions, versions.pack(step(model(), 1e-3, 1), "2", dtype=torch.bfloat16))
+    c = versions.pack(model(), "3", dtype=torch.bfloat16)
     assert c.buffers is a.buffers and b.buffers is not a.buffers
     assert all(s.dtype == "bfloat16" for s in c.header.buckets)
     assert torch.equal(c.tensors()["q"], model()["q"].to(torch.bfloat16))
@@ -166,11 +173,12 @@ class _Group:
 
 
 def _receiver(sent):
+    from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import JoinedGroup
     from torchrl_vllm_ext.weight_sync.transports.broadcast.receiver import BroadcastReceiver
 
     receiver = BroadcastReceiver(loads=None)
     receiver.group, receiver.backend, receiver.device = (
-        (None, _Group(sent)),
+        JoinedGroup(None, _Group(sent)),
         "gloo",
         torch.device("cpu"),
     )
@@ -181,7 +189,7 @@ def _delta_update(new, base):
     from torchrl_vllm_ext.weight_sync.specs import UpdateHeader
 
     pairs = [
-        d.diff_bucket(n, o, s)
+        d.diff_and_sum(n, o, s)
         for s, n, o in zip(new.header.buckets, new.buffers, base.buffers, strict=True)
     ]
     header = UpdateHeader(
@@ -198,7 +206,7 @@ def test_a_worker_rebuilds_each_version_from_its_buffers_and_refuses_another_bas
     receiver._receive(v1.header)
     assert receiver.held == "1"
     header, payloads = _delta_update(v2, v1)
-    receiver.group[1].sent = payloads
+    receiver.group.process_group.sent = payloads
     received = receiver._receive(header)
     named = dict(received.named)
     assert receiver.held == "2" and received.changes.base == "1"
@@ -206,13 +214,13 @@ def test_a_worker_rebuilds_each_version_from_its_buffers_and_refuses_another_bas
     assert changed and changed <= set(named)  # what the pause scatters (test_load_plan.py)
     assert all(torch.equal(named[n], t) for n, t in v2.tensors().items())
     header, payloads = _delta_update(v3, v1)  # a delta of 1, but the worker holds 2
-    receiver.group[1].sent = payloads
+    receiver.group.process_group.sent = payloads
     with pytest.raises(WeightSyncError, match="buffers hold 2"):
         receiver._receive(header)
-    assert not receiver.group[1].sent  # every payload was received first
+    assert not receiver.group.process_group.sent  # every payload was received first
     header, payloads = _delta_update(v3, v2)
     payloads[0][0] ^= 1  # one bit flipped on the way
-    receiver.group[1].sent = payloads
+    receiver.group.process_group.sent = payloads
     with pytest.raises(WeightSyncError, match="after its delta"):
         receiver._receive(header)
     assert receiver.held is None  # nothing whole: the next delta is refused too
@@ -253,7 +261,7 @@ def test_a_word_shared_by_a_changed_value_and_a_tensor_sent_whole_is_summed_once
     new[9] = 99.0  # one of a's (9%: by position)
     new[11:] = -1.0  # all of b: sent whole
     new = new.view(torch.uint8)
-    delta, payload = d.diff_bucket(new, old, spec)
+    delta, payload, _ = d.diff_and_sum(new, old, spec)
     assert delta.dense == ((11, 5),) and delta.positions == 1
     _, positions = d.split_payload(spec, delta, payload)
     touched = d.touched_words(spec, delta, positions)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchrl_vllm_ext.weight_sync.delta import apply_bucket, bucket_change, diff_bucket
+from torchrl_vllm_ext.weight_sync.delta import apply_bucket, bucket_change, diff_and_sum
 from torchrl_vllm_ext.weight_sync.loading import scatter as scatter_module
 from torchrl_vllm_ext.weight_sync.loading.loads import Loads
 from torchrl_vllm_ext.weight_sync.loading.plan import (
@@ -505,7 +505,7 @@ def delta_into(held: Packed, new: Packed) -> Changes:
     ``held`` (written into them): the changes handed to the pause."""
     changed = []
     for bucket, old, now in zip(new.header.buckets, held.buffers, new.buffers, strict=True):
-        delta, payload = diff_bucket(now, old, bucket, dense_share=0.5)
+        delta, payload, _ = diff_and_sum(now, old, bucket, dense_share=0.5)
         if payload.numel():
             positions, values = apply_bucket(old, bucket, delta, payload)
             changed.append(bucket_change(bucket, delta, positions, values))

@@ -24,7 +24,8 @@ from torchrl_vllm_ext.weight_sync.params import (
 from torchrl_vllm_ext.weight_sync.specs import CudaIpcHandle, TensorSpec
 from torchrl_vllm_ext.weight_sync.transports.broadcast.receiver import _buffer
 from torchrl_vllm_ext.weight_sync.transports.ipc.handles import OpenedBuckets, SharedBuckets
-from torchrl_vllm_ext.weight_sync.transports.packing import PackSlots, pack
+from torchrl_vllm_ext.weight_sync.transports.packing import pack
+from torchrl_vllm_ext.weight_sync.transports.versions import PackedVersions
 
 
 def weights(seed: float, dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -53,37 +54,56 @@ def test_a_new_layout_is_packed_into_new_buffers():
     assert other.tensors()["a"].shape == (4, 4)
 
 
+def push(versions: PackedVersions, seed: float, version: str, commit: bool = True):
+    """One push through ``versions``: packed, staged, then committed or rolled back."""
+    packed = versions.pack(weights(seed), version)
+    versions.stage(packed)
+    versions.commit() if commit else versions.rollback()
+    return packed
+
+
 def test_two_sets_alternate_and_the_committed_one_stays_intact():
-    slots = PackSlots()
-    committed = None
+    versions = PackedVersions()
     seen = []
     for version in range(1, 6):
-        packed = slots.pack(weights(float(version)), str(version), committed=committed)
+        committed = versions.committed
+        packed = versions.pack(weights(float(version)), str(version))
         assert committed is None or packed.buffers is not committed.buffers
         if committed is not None:  # the live version's bytes are untouched by this push
             assert committed.tensors()["b"][0].item() == float(version - 1)
         seen.append(id(packed.buffers))
-        committed = packed
-        slots.settle(committed)
+        versions.stage(packed)
+        versions.commit()
+        assert versions.committed is packed and versions.staged is None
     assert len(set(seen)) == 2, "two sets, reused alternately"
 
 
 def test_a_rolled_back_push_leaves_the_committed_set_and_reuses_its_own():
-    slots = PackSlots()
-    live = slots.pack(weights(1.0), "1")
-    failed = slots.pack(weights(2.0), "2", committed=live)  # then rolled back
-    retry = slots.pack(weights(3.0), "3", committed=live)
+    versions = PackedVersions()
+    live = push(versions, 1.0, "1")
+    failed = push(versions, 2.0, "2", commit=False)
+    assert versions.committed is live and versions.staged is None
+    retry = push(versions, 3.0, "3")
     assert retry.buffers is failed.buffers and live.tensors()["b"][0].item() == 1.0
 
 
 def test_without_memory_for_two_sets_the_spare_is_dropped():
-    slots = PackSlots(keep_spare=lambda nbytes, device: False)
-    a = slots.pack(weights(1.0), "1")
-    slots.settle(a)
-    b = slots.pack(weights(2.0), "2", committed=a)
-    slots.settle(b)  # a's set is dropped here
-    c = slots.pack(weights(3.0), "3", committed=b)
+    versions = PackedVersions(keep_spare=lambda nbytes, device: False)
+    a = push(versions, 1.0, "1")
+    b = push(versions, 2.0, "2")  # a's set is dropped at this commit
+    c = push(versions, 3.0, "3")
     assert c.buffers is not a.buffers and c.buffers is not b.buffers
+
+
+def test_a_push_that_keeps_no_copy_leaves_nothing_committed():
+    """A streamed broadcast stages nothing here: a restarted replica waits for the next push."""
+    versions = PackedVersions()
+    push(versions, 1.0, "1")
+    versions.stage(None)
+    versions.commit()
+    assert versions.committed is None
+    versions.clear()
+    assert versions.committed is None and versions.staged is None
 
 
 # ---------------------------------------------------------------------- CUDA IPC handles
@@ -104,12 +124,12 @@ def test_the_trainer_shares_each_set_once_per_receiving_process():
 
     a = [torch.zeros(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)]
     b = [torch.zeros(8, dtype=torch.uint8)]
-    r0 = (0, 100)  # (replica id, pid)
+    r0 = "node:100"  # a replica process (ReplicaView.process)
     for _ in range(3):
         first, second = shared.handles(a, r0, fake_share), shared.handles(b, r0, fake_share)
     assert len(shares) == 3 and first != second
-    other = shared.handles(a, (1, 200), fake_share)  # another replica: its own share
-    restarted = shared.handles(a, (0, 300), fake_share)  # replica 0 in a new process
+    other = shared.handles(a, "node:200", fake_share)  # another replica: its own share
+    restarted = shared.handles(a, "node:300", fake_share)  # replica 0 in a new process
     assert len(shares) == 7 and len({first, other, restarted}) == 3
     del b  # a freed set's entry goes; a new set is shared anew
     shared.handles([torch.zeros(8, dtype=torch.uint8)], r0, fake_share)
@@ -276,7 +296,7 @@ def test_each_ipc_replica_process_gets_its_own_share_kept_from_push_to_push(monk
     got: dict[int, list] = {0: [], 1: []}
 
     def view(rid, pid):
-        return ReplicaView(rid, _Handle(got[rid]), SimpleNamespace(pid=pid))
+        return ReplicaView(rid, _Handle(got[rid]), SimpleNamespace(node_ip="node", pid=pid))
 
     views = [view(0, 100), view(1, 101)]
     transport = sender.IpcTransport(_Fleet(views), TransportOptions())

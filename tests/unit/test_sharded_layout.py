@@ -11,7 +11,7 @@ import torch
 
 from torchrl_vllm_ext.errors import ConfigurationError, ShardedPushError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.sharded.layout import assign, block, describe, region_of
-from torchrl_vllm_ext.weight_sync.sharded.routes import ROUTES, pushed_names, route_for
+from torchrl_vllm_ext.weight_sync.sharded.routes import SHARDED_TRANSPORTS, pushed_names, route_for
 from torchrl_vllm_ext.weight_sync.sharded.streamed import bucket_plan, header_of
 from torchrl_vllm_ext.weight_sync.specs import TensorSpec
 from torchrl_vllm_ext.weight_sync.transports import registry
@@ -77,8 +77,8 @@ def test_pushed_names_check_the_served_checkpoint():
 
 
 def test_routes_are_storage_and_broadcast_and_the_rest_is_refused():
-    assert set(ROUTES) == set(registry.names(cpu=True, composite=False))
-    for route in ROUTES:
+    assert set(SHARDED_TRANSPORTS) == set(registry.names(cpu=True, composite=False))
+    for route in SHARDED_TRANSPORTS:
         assert route_for(route, uses_gpu=True) == route
     with pytest.raises(ConfigurationError, match="planned per replica on GPUs"):
         route_for("auto", uses_gpu=True)

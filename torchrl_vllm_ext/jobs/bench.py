@@ -1,10 +1,10 @@
-"""``torchrl-vllm bench``: run the benchmark scripts and print one JSON table.
+"""torchrl-vllm bench: run the benchmark scripts and print one JSON table.
 
-Each script in ``benchmarks/`` measures one figure against its baseline in the same run
-and prints a JSON object; this job runs the chosen ones one after the other (never in
+Each benchmark script measures one figure against its baseline in the same run and
+prints a JSON object; this command runs the chosen ones one after the other (never in
 parallel: they would measure each other), each in its own process, and gathers their
-objects into one table: ``{"benchmarks": {name: {"ok", "seconds", "ratios", "result"}}}``,
-where ``ratios`` lifts every ratio-like figure out of the nested result.
+objects into one table: {"benchmarks": {name: {"ok", "seconds", "ratios", "result"}}},
+where "ratios" lifts every ratio-like figure out of the nested result.
 """
 
 from __future__ import annotations

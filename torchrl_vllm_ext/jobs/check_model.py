@@ -1,35 +1,33 @@
-"""``torchrl-vllm check-model PATH``: is this architecture served and synced exactly?
+"""torchrl-vllm check-model PATH: is this architecture served and synced exactly?
 
-Run it once on a model before a long run::
+Run it once on a model before a long run:
 
     torchrl-vllm check-model MODEL_DIR [--transports storage broadcast] [--lora] [--output DIR]
         [--dtype bfloat16]
 
-One replica on ``MODEL_DIR`` in float32 (``--dtype``: the dtype it serves), then, against
+One replica on MODEL_DIR in float32 (--dtype: the dtype it serves), then, against
 transformers on the same weights:
 
-1. **serve**: the replica's log-probs of a fixed sequence (the weight sync's probe) and
-   of 8 greedily generated tokens equal transformers' within ``--tol`` (max |gap|);
-2. **storage**, **broadcast**: every trainer parameter perturbed (seeded noise), pushed
-   through the transport with the value check on; the replica's log-probs then equal the
+1. serve: the replica's log-probs of a fixed sequence (the weight sync's probe) and of 8
+   greedily generated tokens equal transformers' within --tol (max |gap|);
+2. storage, broadcast: every trainer parameter perturbed (seeded noise), pushed through
+   the transport with the value check on; the replica's log-probs then equal the
    perturbed model's again;
-3. **lora** (``--lora``, a second replica with LoRA on): a random PEFT adapter on every
-   linear layer pushed with :class:`~torchrl_vllm_ext.AdapterSync`; its log-probs equal
-   the PEFT model's.
+3. lora (--lora, a second replica with LoRA on): a random PEFT adapter on every linear
+   layer pushed with AdapterSync; its log-probs equal the PEFT model's.
 
-In 16-bit (``--dtype bfloat16`` / ``float16``) "equal" is the value check's rule: mean
-|gap| to transformers in float32 within 3x the rounding noise transformers itself shows in
-that dtype (``weight_sync.verify.Reference``); the pushes run the scheme's default check,
-which must pass; the checks are named ``bf16_serve``, ... (``fp16_``), the table's 16-bit
-columns.
+In 16-bit (--dtype bfloat16 / float16) "equal" is the value check's rule: mean |gap| to
+transformers in float32 within 3 times the rounding noise transformers itself shows in
+that dtype; the pushes run the scheme's default check, which must pass; the checks are
+named bf16_serve, ... (fp16_), the support table's 16-bit columns.
 
-It prints one line per check and, last, one JSON object (:func:`check_model`'s result,
-also written to ``DIR/<model>.json``; the log, vLLM's and the replica's lines included,
-goes to ``DIR/torchrl-vllm.log`` unless ``-v``); exit status 0 when every check passed,
-1 otherwise, 2 on a typed error. Where vLLM cannot start the model, the serve check fails
-with vLLM's own error and the others are not run. ``--render RESULTS.json [--into docs/models.md]`` prints (or writes between the
-document's markers) the support table from such results (a list of them, or the family
-matrix's ``{"families": [...]}``) instead.
+It prints one line per check and, last, one JSON object (also written to
+DIR/<model>.json; the log, vLLM's and the replica's lines included, goes to
+DIR/torchrl-vllm.log unless -v); exit status 0 when every check passed, 1 otherwise, 2 on
+a typed error. Where vLLM cannot start the model, the serve check fails with vLLM's own
+error and the others are not run. --render RESULTS.json [--into DOC] prints (or writes
+between the document's markers) the support table from such results (a list of them, or
+the family matrix's {"families": [...]}) instead.
 """
 
 from __future__ import annotations

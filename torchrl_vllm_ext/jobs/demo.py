@@ -1,9 +1,9 @@
-"""``torchrl-vllm demo``: the GRPO main job (see :func:`torchrl_vllm_ext.grpo.run.run_grpo`).
+"""torchrl-vllm demo: train a model with GRPO on vLLM replicas (the main job).
 
-With no flags: builds the tiny random model, starts a local Ray cluster with two vLLM
-replicas and trains the model with GRPO on TokenCountEnv, pushing the weights to the
-replicas after every step; writes ``reward_curve.png``, ``metrics.json`` and
-``rollouts/`` (a memmapped TensorDict) to ``--output``.
+With no flags: builds a tiny random model, starts a local Ray cluster with two vLLM
+replicas and trains the model with GRPO on a token-counting task, pushing the weights to
+the replicas after every step. Writes reward_curve.png, metrics.json and rollouts/ (a
+memory-mapped TensorDict) to --output.
 """
 
 from __future__ import annotations

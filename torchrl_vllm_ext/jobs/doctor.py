@@ -1,10 +1,10 @@
-"""``torchrl-vllm doctor``: what of ours is on this machine, and ``--clean`` for the dead.
+"""torchrl-vllm doctor: what of ours is on this machine, and --clean for the dead.
 
-Lists the package's directories in shared memory (``/dev/shm/torchrl-vllm-*``) with their
+Lists the package's directories in shared memory (/dev/shm/torchrl-vllm-*) with their
 owner (pid, host), whether it runs and their size, and the replica processes and Ray
-clusters running here. ``--clean`` removes the directories whose owner is dead (what a
-SIGKILLed trainer or replica left); a directory without an owner marker (made by an
-older version) is listed and kept: remove it yourself once nothing uses it.
+clusters running here. --clean removes the directories whose owner is dead (what a
+killed trainer or replica left); a directory without an owner marker (made by an older
+version) is listed and kept: remove it yourself once nothing uses it.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Command-line flags derived from a config dataclass: each option is declared once.
 
 A flag's type and default come from the field, its help from the field's docstring
-(the string literal under it), so the CLI and the config can never disagree.
+(the string literal under it, as plain text: no reST markup on a terminal), so the CLI
+and the config can never disagree.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ast
 import dataclasses
 import inspect
 import itertools
+import re
 import textwrap
 import types
 import typing
@@ -34,6 +36,22 @@ def field_docs(cls) -> dict[str, str]:
         ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
+
+
+_ROLE = re.compile(r":[a-z]+:`(~?)([^`]*)`")
+_LITERAL = re.compile(r"``?([^`]*)``?")
+
+
+def plain_text(doc: str) -> str:
+    """``doc`` without its reST markup: literals and cross references as their text (a
+    reference's last dotted part when it starts with ``~``).
+
+    Examples:
+        >>> plain_text("pushes (``kl_coef > 0``) through :class:`~torchrl_vllm_ext.AdapterSync`")
+        'pushes (kl_coef > 0) through AdapterSync'
+    """
+    doc = _ROLE.sub(lambda m: m[2].rsplit(".", 1)[-1] if m[1] else m[2], doc)
+    return _LITERAL.sub(r"\1", doc)
 
 
 def _scalar_type(hint) -> Any:
@@ -63,7 +81,7 @@ def add_config_flags(
             type=_scalar_type(hints[name]),
             default=default,
             choices=(choices or {}).get(name),
-            help=f"{docs.get(name, '')} (default: {default})",
+            help=f"{plain_text(docs.get(name, ''))} (default: {default})",
         )
 
 
@@ -72,4 +90,4 @@ def config_from_args(cls, args: argparse.Namespace, fields: dict[str, str], **ex
     return cls(**{name: getattr(args, name) for name in fields}, **extra)
 
 
-__all__ = ["add_config_flags", "config_from_args", "field_docs"]
+__all__ = ["add_config_flags", "config_from_args", "field_docs", "plain_text"]

@@ -1,23 +1,20 @@
-"""``torchrl-vllm generate``: TensorDict in, TensorDict out, resumable.
+"""torchrl-vllm generate: prompts in, samples out as a memory-mapped TensorDict; resumable.
 
-::
-
-    torchrl-vllm generate --model MODEL_DIR --input prompts.jsonl --output OUT_DIR \\
+    torchrl-vllm generate --model MODEL_DIR --input prompts.jsonl --output OUT_DIR \
         [--max-tokens 64] [--temperature 1.0] [--num-samples 1] [--seed 0] [--chunk-size 64]
 
-Input (:mod:`.generate_io`): a JSONL file of ``{"prompt": "text"}``, ``{"messages": [...]}``
-(chat template with the generation prompt) or ``{"prompt_token_ids": [...]}`` lines, all
-of one kind, each with an optional unique ``"id"``; or a ``TensorDict.memmap`` directory
-with int token ids under ``("tokens", "prompt")`` (and ``("masks",
-"all_attention_mask")`` if padded).
+Input: a JSONL file of {"prompt": "text"}, {"messages": [...]} (chat template with the
+generation prompt) or {"prompt_token_ids": [...]} lines, all of one kind, each with an
+optional unique "id"; or a memory-mapped TensorDict directory with int token ids under
+("tokens", "prompt") (and ("masks", "all_attention_mask") if padded).
 
-Output (:mod:`.generate_store`): ``load_output(OUT_DIR)`` is one TensorDict of batch
-``(N,)`` (``(N, G)`` with ``--num-samples G``) in TorchRL's padded LLM layout, its tensors
-memory-mapped in ``OUT_DIR/data``. Each chunk of ``--chunk-size`` rows is committed once
-written: a killed run resumes with the same command and redoes no finished row. Row ``i``
-is seeded with ``--seed`` + ``i``, so the output does not depend on chunking, replicas or
-interruptions. Another run in the same directory is refused (pick a new ``--output`` or
-pass ``--overwrite``). The last stdout line is a JSON summary.
+Output: one TensorDict of batch (N,) ((N, G) with --num-samples G) in TorchRL's padded
+LLM layout, its tensors memory-mapped in OUT_DIR/data; read it in Python with
+torchrl_vllm_ext.load_output(OUT_DIR). Each chunk of --chunk-size rows is committed once
+written: a killed run resumes with the same command and redoes no finished row. Row i is
+seeded with --seed + i, so the output does not depend on chunking, replicas or
+interruptions. Another run in the same directory is refused (pick a new --output or pass
+--overwrite). The last line printed is a JSON summary.
 """
 
 from __future__ import annotations

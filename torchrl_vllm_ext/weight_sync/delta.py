@@ -8,8 +8,9 @@ when more than :data:`DENSE_SHARE` of it changed. Plain functions over flat uint
 (the packed transports' unit, :mod:`.transports.packing`), run where the buckets are
 (CPU or GPU), in chunks that stay in cache:
 
-- :func:`diff_bucket` (sender): what of one bucket to send, as a
-  :class:`~.specs.BucketDelta` and one uint8 payload (values, then positions);
+- :func:`diff_and_sum` (sender): what of one bucket to send, as a
+  :class:`~.specs.BucketDelta` and one uint8 payload (values, then positions), and how
+  much the bucket's checksum changed;
 - :func:`apply_bucket` (receiver): the payload written into the base bucket it holds, as
   two batched calls (one ``_foreach_copy_`` of the whole tensors, one ``index_put_`` of the
   positions); the bucket's checksum, that of the whole new bucket, is then compared;
@@ -17,9 +18,9 @@ when more than :data:`DENSE_SHARE` of it changed. Plain functions over flat uint
   the served parameters (:mod:`.loading.scatter`);
 
 Storage sends no deltas: its slots hold whole versions in the served dtype (half an fp32
-push's bytes). A slot is written in 4 KB pages, and at lr 1e-6 a page of 2048 bf16 values
-holds ~4 changed ones, so writing only the changed values dirties nearly every page and
-reads the slot besides: measured slower than writing it whole (``bench_delta``, 2026-11-28).
+push's bytes). A slot is written in 4 KB pages and a step's few changed values fall in
+nearly every page, so writing only those dirties nearly every page and reads the slot
+besides: slower than writing it whole (measured: ``benchmarks/README.md``).
 
 The comparison is of bits (``-0.0`` and ``0.0`` differ, a NaN never equals itself: a push
 is finite anyway), so a base plus its delta is the new version bit for bit.
@@ -37,10 +38,9 @@ from torchrl_vllm_ext.weight_sync.specs import BucketDelta, BucketSpec
 
 DENSE_SHARE = 0.1
 """A tensor with more than this share of its elements changed is sent whole. A changed bf16
-element costs its value and a 4-byte position (3x the value), and writing it by position
-costs more than copying: on a 64 MB bf16 bucket, 2 cores (``benchmarks/bench_delta.py
---dense-shares``, 2026-11-28), 10% by position took 15 ms against 8 ms whole, 25% 38 ms
-against 6 ms; up to ~10% the bytes saved pay for it on a link of a few GB/s."""
+element costs its value and a 4-byte position (three times the value), and the receiver
+writes it by position, which costs more than copying the tensor whole past about this
+share (measured: ``benchmarks/README.md``, ``bench_delta.py --dense-shares``)."""
 
 WORTH_SHARE = 0.5
 """A delta whose payload exceeds this share of the full update's bytes is not sent: the
@@ -48,7 +48,7 @@ full update goes instead (float32 serving, where every value changes, or a first
 
 CHUNK = 1 << 20
 """Elements compared at a time on the CPU (a few MB: the comparison's scratch stays in
-cache: about twice as fast as whole 178 MB buckets on 2 cores)."""
+cache, faster than comparing whole buckets; ``benchmarks/README.md``)."""
 
 _WORDS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -71,17 +71,12 @@ def _spans(bucket: BucketSpec) -> list[tuple[int, int]]:
     return out
 
 
-def changed_positions(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """The positions (int64, ascending) where the 1-D integer tensors differ. Narrow
-    elements are compared 8 bytes at a time (4 bf16 values per word: a quarter of the
-    comparisons), then the lanes of the changed words."""
-    return _changes(new, old)[0]
-
-
-def _changes(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-    """:func:`changed_positions`, and by how much the wrapped sum of the int64 words
-    changed (a checksum's change, :func:`~.params.device_checksums`), when the tensors
-    are whole aligned words (else None)."""
+def changed_positions(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """The positions (int64, ascending) where the 1-D integer tensors differ, and by how
+    much the wrapped sum of their int64 words changed (a checksum's change,
+    :func:`~.params.device_checksums`) when the tensors are whole aligned words (else
+    None). Narrow elements are compared 8 bytes at a time (4 bf16 values per word: a
+    quarter of the comparisons), then the lanes of the changed words."""
     per = 8 // new.element_size()
     whole = new.numel() - new.numel() % per
     aligned = new.storage_offset() % per == 0 and old.storage_offset() % per == 0
@@ -102,7 +97,7 @@ def _changes(new: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, int | 
 
 
 def _differing(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-    """:func:`changed_positions` element by element: in chunks on the CPU (cache), at once
+    """The positions where ``new`` and ``old`` differ, element by element: in chunks on the CPU (cache), at once
     on a GPU (each chunk's ``nonzero`` would be a host sync)."""
     found = []
     chunk = CHUNK if new.device.type == "cpu" else max(new.numel(), 1)
@@ -136,12 +131,15 @@ def _true_positions(mask: torch.Tensor) -> torch.Tensor:
     return found
 
 
-def diff_bucket(
+def diff_and_sum(
     new: torch.Tensor, old: torch.Tensor, bucket: BucketSpec, dense_share: float = DENSE_SHARE
-) -> tuple[BucketDelta, torch.Tensor]:
+) -> tuple[BucketDelta, torch.Tensor, int | None]:
     """What of bucket ``new`` (uint8, this version) differs from ``old`` (the base's bytes
-    of the same layout): its :class:`BucketDelta` and payload (uint8: the dense tensors'
-    values, then the changed values, then their positions, each part 8-byte aligned).
+    of the same layout): its :class:`BucketDelta`, its payload (uint8: the dense tensors'
+    values, then the changed values, then their positions, each part 8-byte aligned), and
+    how much the bucket's checksum changed from ``old``'s to ``new``'s (the changed words'
+    new values less their old ones, summed where the comparison read them; None: a bucket
+    of partial words, summed whole by the caller).
 
     Examples:
         >>> from torchrl_vllm_ext.weight_sync.specs import TensorSpec
@@ -151,7 +149,7 @@ def diff_bucket(
         >>> new = torch.zeros(22)
         >>> new[2], new[20:] = 5.0, 1.0  # 1 of a's 20 values, all of b
         >>> new = new.view(torch.uint8)
-        >>> delta, payload = diff_bucket(new, old, spec)
+        >>> delta, payload, _ = diff_and_sum(new, old, spec)
         >>> delta.dense, delta.positions
         (((20, 2),), 1)
         >>> held = old.clone()
@@ -160,17 +158,8 @@ def diff_bucket(
         >>> torch.equal(held, new)
         True
     """
-    return diff_and_sum(new, old, bucket, dense_share)[:2]
-
-
-def diff_and_sum(
-    new: torch.Tensor, old: torch.Tensor, bucket: BucketSpec, dense_share: float = DENSE_SHARE
-) -> tuple[BucketDelta, torch.Tensor, int | None]:
-    """:func:`diff_bucket`, and how much the bucket's checksum changed from ``old``'s to
-    ``new``'s (the changed words' new values less their old ones, summed where the
-    comparison read them; None: a bucket of partial words, summed whole by the caller)."""
     a, b = words(new, bucket.dtype), words(old, bucket.dtype)
-    positions, sum_change = _changes(a, b)
+    positions, sum_change = changed_positions(a, b)
     if bucket.nbytes % 8:
         sum_change = None
     spans = _spans(bucket)

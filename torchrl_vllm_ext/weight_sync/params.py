@@ -214,7 +214,7 @@ def validate(
 def require_finite(name: str, t: torch.Tensor) -> None:
     """Raise :class:`WeightSyncError` naming ``name`` if ``t`` holds NaN or inf."""
     # min and max are finite iff every element is (NaN propagates): one reduction pass,
-    # ~10x cheaper than materialising isfinite's boolean mask.
+    # no boolean mask of the whole tensor to materialise as isfinite would.
     if t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
         raise WeightSyncError(
             f"parameter {name!r} contains NaN or inf; the push was rejected and the replicas "

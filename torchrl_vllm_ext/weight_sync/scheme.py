@@ -90,7 +90,7 @@ class WeightSyncScheme(TorchRLSchemeCalls):
             tensors a transformers copy of the served model: one more copy of the
             weights in this process); a replica that fails is restarted and the push
             raises :class:`WeightSyncError`. It costs one forward pass here and one per
-            replica (+20-70% on a 355 MB push on 2 cores: docs/architecture.md).
+            replica (measured: docs/architecture.md, "Cost of the value check").
         verify_tol: mean |log-prob gap| allowed over the probe; default: derived at each
             push, 1e-3 for replicas serving float32, and for 16-bit replicas 3 times the
             push's own rounding noise (the trainer scores the probe with the pushed weights

@@ -3,7 +3,8 @@
 
 vLLM's ``model.load_weights`` maps checkpoint names onto fused and sharded parameters with a
 Python weight loader per tensor (narrow the incoming tensor to this rank's shard, narrow the
-fused parameter to its slice, ``copy_``): ~100 us per tensor on a GPU, most of a push's pause.
+fused parameter to its slice, ``copy_``): Python work per tensor that made most of a push's
+pause on a GPU (``benchmarks/README.md``).
 What it does depends on the names, shapes and dtypes pushed (the *layout*), not on the
 values, so :func:`trace` runs it once under a recorder (a ``TorchFunctionMode``) that notes,
 for every ``copy_`` or basic-index ``__setitem__`` into the model's parameters and buffers

@@ -46,11 +46,10 @@ class Changes:
 
 
 SCATTER_SHARE = 0.005
-"""A tensor with more than this share of its elements changed is copied whole in the pause.
-Writing an element by position costs ~100x copying one: on 2 cores, 24 bf16 layers of the
-bench model's shapes (199M elements), a scatter of 0.1% of every tensor took 8 ms against
-a replay's 25 ms, 0.3% 14 ms against 26 ms, 1% 24 ms against 22 ms
-(``benchmarks/bench_delta.py --scatter-shares``, 2026-11-29)."""
+"""A tensor with more than this share of its elements changed is copied whole in the pause:
+writing an element by position costs far more than copying one, and past about this
+share the plan's replay of the whole tensor is faster (measured: ``benchmarks/README.md``,
+``bench_delta.py --scatter-shares``)."""
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Where a GPU worker stages an incoming version before its pause, and the buffer it stages
 in: on the device when the GPU has room beside vLLM's share (the pause is then a device
-copy, ~1 ms per GB), else in pinned host memory (one batched non-blocking host-to-device
-copy in the pause, ~20 ms per GB), else nowhere (``mapped``: the pause copies from the
+copy), else in pinned host memory (one batched non-blocking host-to-device copy in the
+pause, slower), else nowhere (``mapped``: the pause copies from the
 storage slot's pages, when pinning a copy per worker would take more than half the host's
 free memory: the workers of a tensor-parallel replica each stage the whole push). Plain
 logic: the worker asks
@@ -38,7 +38,7 @@ ALIGN = 256
 
 def headroom(total_bytes: int) -> int:
     """GPU memory a staging buffer must leave free: 1 GiB or 2% of the GPU, the larger
-    (5% refused device staging on an H200 with room for it: 7 GB besides 1.2 GB)."""
+    (why not more: ``benchmarks/README.md``)."""
     return max(GIB, total_bytes // 50)
 
 

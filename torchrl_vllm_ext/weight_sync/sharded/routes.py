@@ -6,7 +6,7 @@ from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.specs import TensorSpec
 from torchrl_vllm_ext.weight_sync.transports import registry
 
-ROUTES = registry.names(cpu=True, composite=False)
+SHARDED_TRANSPORTS = registry.names(cpu=True, composite=False)
 """The transports a sharded push writes (storage) or streams (broadcast) into: those
 that run on CPUs too and are not composed of others."""
 
@@ -23,9 +23,11 @@ def route_for(transport: str, uses_gpu: bool) -> str:
         >>> route_for("storage", True), route_for("broadcast", False)
         ('storage', 'broadcast')
     """
-    if transport in ROUTES:
+    if transport in SHARDED_TRANSPORTS:
         return transport
-    planned = " (planned per replica on GPUs)" if uses_gpu and transport not in ROUTES else ""
+    planned = (
+        " (planned per replica on GPUs)" if uses_gpu and transport not in SHARDED_TRANSPORTS else ""
+    )
     raise ConfigurationError(
         f"a sharded push writes a storage slot or streams a broadcast; the scheme's "
         f"transport is {transport!r}{planned}. Create the scheme on rank 0 with "

@@ -9,11 +9,11 @@ the tensors back as views (:func:`unpack`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.params import device_checksums, dtype_name, torch_dtype
 from torchrl_vllm_ext.weight_sync.specs import BucketSpec, TensorSpec, UpdateHeader
 
@@ -159,66 +159,22 @@ def with_checksums(packed: Packed, sums: list[int] | None = None) -> Packed:
     return Packed(dataclasses.replace(packed.header, buckets=buckets), packed.buffers)
 
 
-class PackSlots:
-    """Two sets of packed buckets, A and B, re-packed in place push after push: the set of
-    the committed version stays intact (restarted replicas are brought up from it) while
-    the other takes the next push. Same buffers every push: CUDA IPC receivers keep their
-    mappings and no new handles are opened. A new layout allocates anew.
-
-    Where memory does not allow two sets (:func:`keeps_spare`), the spare is dropped at
-    :meth:`settle` and the next push allocates one (as every push did before).
+def verify_checksums(version: str, got: list[int], sent: list[int], how: str) -> None:
+    """Every bucket's checksum as received (``got``) against the trainer's (``sent``); a
+    :class:`WeightSyncError` naming the first that differs (``how``: how it arrived).
 
     Examples:
-        >>> slots = PackSlots()
-        >>> a = slots.pack({"w": torch.ones(2)}, "1", committed=None)
-        >>> b = slots.pack({"w": torch.ones(2)}, "2", committed=a)  # a is live: another set
-        >>> c = slots.pack({"w": torch.ones(2)}, "3", committed=b)  # a's buffers again
-        >>> b.buffers is a.buffers, c.buffers is a.buffers
-        (False, True)
+        >>> verify_checksums("3", [7, 9], [7, 8], "read through CUDA IPC")
+        Traceback (most recent call last):
+        ...
+        torchrl_vllm_ext.errors.WeightSyncError: bucket 1 of version 3 read through CUDA IPC does not match the trainer's (checksum 9 != 8); nothing was loaded.
     """
-
-    def __init__(self, keep_spare: Callable[[int, torch.device], bool] | None = None):
-        self._sets: list[Packed] = []
-        self._keep_spare = keep_spare or keeps_spare
-
-    def pack(
-        self,
-        tensors: dict[str, torch.Tensor],
-        version: str,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        committed: Packed | None = None,
-        dtype: torch.dtype | None = None,
-        checksums: bool = True,
-    ) -> Packed:
-        """``tensors`` packed (cast to ``dtype`` if given) into a set that is not
-        ``committed``'s (reused if it fits)."""
-        live = [p for p in self._sets if committed is not None and p.buffers is committed.buffers]
-        spare = next((p for p in self._sets if not any(p is q for q in live)), None)
-        packed = pack(tensors, version, bucket_bytes, spare, dtype, checksums)
-        self._sets = [*live, packed]
-        return packed
-
-    def settle(self, committed: Packed | None) -> None:
-        """After a commit: keep the spare set only where memory allows."""
-        if committed is None or not committed.buffers:
-            return
-        if not self._keep_spare(committed.nbytes, committed.buffers[0].device):
-            self._sets = [p for p in self._sets if p.buffers is committed.buffers]
-
-    def clear(self) -> None:
-        self._sets = []
-
-
-def keeps_spare(nbytes: int, device: torch.device) -> bool:
-    """Whether a second set of ``nbytes`` of buckets may stay allocated on ``device``
-    between pushes: always in host memory; on a GPU when it keeps the staging headroom
-    free (:func:`.staging.headroom`: the trainer trains there)."""
-    if device.type != "cuda":
-        return True
-    from torchrl_vllm_ext.weight_sync.loading.staging import headroom
-
-    free, total = torch.cuda.mem_get_info(device)
-    return free >= headroom(total)
+    for i, (have, want) in enumerate(zip(got, sent, strict=True)):
+        if have != want:
+            raise WeightSyncError(
+                f"bucket {i} of version {version} {how} does not match the trainer's "
+                f"(checksum {have} != {want}); nothing was loaded."
+            )
 
 
 def unpack(bucket: BucketSpec, buffer: torch.Tensor) -> list[tuple[str, torch.Tensor]]:

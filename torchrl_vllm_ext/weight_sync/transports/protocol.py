@@ -12,13 +12,13 @@ that ``auto`` packed once for several routes hands each transport the same
 :class:`~.packing.Packed` buckets. Everything runs on the service's event loop; blocking
 work goes to a thread.
 
-Which transports exist, and their worker and actor parts: :mod:`.registry`.
+Which transports exist, and their worker and actor parts: :mod:`.registry`; what the
+senders wait for on the replicas: :mod:`.waits`.
 """
 
 from __future__ import annotations
 
 import abc
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -30,8 +30,6 @@ from torchrl_vllm_ext.engine.calls import Outcomes
 from torchrl_vllm_ext.engine.fleet import ReplicaFleet, ReplicaView
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.transports.packing import DEFAULT_BUCKET_BYTES, Packed
-
-logger = logging.getLogger(__name__)
 
 Replicas = list[ReplicaView]
 """Replicas a step is given (never edited by a transport: what it reached, it returns)."""
@@ -116,63 +114,6 @@ def raise_errors(outcomes: Outcomes, what: str, version: str) -> None:
         raise WeightSyncError(
             f"{what} of version {version} failed on replica {rid}: {cause}"
         ) from cause
-
-
-def settle(refs: list, timeout: float, what: str) -> None:
-    """Wait (bounded) for replicas' answers to a release call and read each outcome: a
-    replica that died or shut down meanwhile holds nothing any more, and a ref whose
-    error is never read makes Ray log it as an "unhandled error" at exit (the service is
-    often closed right after the scheme). ``what`` names the call in the debug log."""
-    if not refs:
-        return
-    import ray
-
-    done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    for ref in done:
-        try:
-            ray.get(ref)
-        except Exception as e:
-            logger.debug("a replica could not %s: %s", what, e)
-
-
-STAGED_POLL_S = 0.005
-"""Seconds between checks that every worker finished staging a version."""
-
-
-async def wait_staged(
-    fleet: ReplicaFleet, replicas: Replicas, version: str, limit_s: float, answer_s: float
-) -> Replicas:
-    """Poll the workers of ``replicas`` until each staged ``version`` (their background
-    read); returns those that did. A replica that died or does not answer within
-    ``answer_s`` is left out (the death policy restarts it), one whose staging failed
-    fails the push. Raises :class:`WeightSyncError` after ``limit_s`` seconds."""
-    import asyncio
-
-    from torchrl_vllm_ext.extensions import WorkerMethods
-
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit_s
-    replicas = list(replicas)
-    while replicas:
-        ready = await fleet.call_all(
-            "collective_rpc",
-            WorkerMethods.STAGED_READY,
-            (version,),
-            replicas=replicas,
-            deadline=answer_s,
-        )
-        raise_errors(ready, "stage", version)
-        replicas = [r for r in replicas if r.replica_id in ready.results]
-        if all(all(per_worker) for per_worker in ready.results.values()):
-            return replicas
-        if loop.time() > end:
-            waiting = sorted(rid for rid, w in ready.results.items() if not all(w))
-            raise WeightSyncError(
-                f"replica(s) {waiting} did not stage version {version} within {limit_s:.1f}s; "
-                "no replica loaded it. Push again, or raise the scheme's deadline."
-            )
-        await asyncio.sleep(STAGED_POLL_S)
-    return replicas
 
 
 class Transport(abc.ABC):

@@ -160,11 +160,6 @@ def make_route(route: str, fleet, options):
     return make_transport(r.transport, fleet, replace(options, **r.options))
 
 
-def receivers() -> tuple[type, ...]:
-    """Every transport's receiver class, in registry order (what each worker holds)."""
-    return tuple(load_class(t.receiver) for t in TRANSPORTS.values())
-
-
 def actor_parts() -> tuple[type, ...]:
     """Every transport's part in the replica actor (the actor extension's bases)."""
     return tuple(load_class(t.actor) for t in TRANSPORTS.values() if t.actor)

@@ -35,7 +35,7 @@ from torchrl_vllm_ext.weight_sync.transports.auto.plan import (
     plan_routes,
 )
 from torchrl_vllm_ext.weight_sync.transports.devices import device_uuid, normalise_uuid
-from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Prepared,
     Replicas,
@@ -44,6 +44,7 @@ from torchrl_vllm_ext.weight_sync.transports.protocol import (
     raise_errors,
     trainer_device,
 )
+from torchrl_vllm_ext.weight_sync.transports.versions import PackedVersions
 
 logger = logging.getLogger(__name__)
 
@@ -65,19 +66,17 @@ class PlannedTransport(Transport):
 
     name = "auto"
     loads_one_at_a_time = False  # an NCCL layer reaches its replicas in one collective
-    planner = staticmethod(plan_routes)
-    """``(trainer, workers, shared_dir) -> TransportPlan`` (:func:`~.plan.plan_routes`)."""
 
     def __init__(self, fleet, options: TransportOptions):
         super().__init__(fleet, options)
         self.plan: TransportPlan | None = None
         self._subs: dict[tuple[Route, int], Transport] = {}
-        self._places: dict[tuple[int, int], list[Place]] = {}  # (replica, pid) -> workers
+        self._places: dict[str, list[Place]] = {}  # replica process -> its workers' places
         self._trainer: Place | None = None
         self._used: list[Transport] = []
-        self._packed: Packed | None = None  # the push in flight
-        self._committed: Packed | None = None  # the live version, for restarted replicas
-        self._slots = PackSlots()  # two sets of buckets, re-packed in place (IPC mappings stay)
+        # The push in flight (packed once for every packed route) and the live version (for
+        # restarted replicas), in two sets re-packed in place (IPC mappings stay).
+        self._versions = PackedVersions()
 
     @property
     def label(self) -> str:
@@ -116,10 +115,11 @@ class PlannedTransport(Transport):
         )
         places = await self._places_of(replicas)  # 1)
         replicas = [r for r in replicas if r.replica_id in places]
-        self.plan = self.planner(self._trainer, places, self._shared_dir)  # 3)
+        self.plan = self._plan(places)  # 3)
         prepared = Prepared(phases={"plan": time.perf_counter() - t0})
         logger.info("version %s: %s", version, self.plan.reason)
-        self._used, self._packed = [], packed
+        self._used = []
+        self._versions.stage(packed)
         try:
             for (route, layer), ids in self.plan.routes().items():  # 4)
                 group = [r for r in replicas if r.replica_id in ids]
@@ -135,40 +135,41 @@ class PlannedTransport(Transport):
         return prepared
 
     async def _pack(self, tensors, version: str, phases: dict) -> Packed:
-        if self._packed is None:
+        """The push packed, once for every packed route."""
+        if self._versions.staged is None:
             t0 = time.perf_counter()
             bucket_bytes = self.options.bucket_bytes
-            self._packed = await asyncio.to_thread(
-                self._slots.pack, tensors, version, bucket_bytes, self._committed
-            )
+            packed = await asyncio.to_thread(self._versions.pack, tensors, version, bucket_bytes)
+            self._versions.stage(packed)
             phases["pack"] = time.perf_counter() - t0
-        return self._packed
+        return self._versions.staged
+
+    def _plan(self, places: dict[int, list[Place]]) -> TransportPlan:
+        """The routes of the replicas at ``places`` (:func:`~.plan.plan_routes`)."""
+        return plan_routes(self._trainer, places, self._shared_dir)
 
     async def commit(self, version: str) -> None:
         for sub in self._used:
             await sub.commit(version)
-        if self._packed is not None:
-            self._committed = self._packed
-            self._slots.settle(self._committed)
-        self._packed = None
+        self._versions.commit()
 
     async def rollback(self, version: str) -> None:
         for sub in self._used:
             await sub.rollback(version)
-        self._packed = None
+        self._versions.rollback()
 
     # ------------------------------------------------------------------ restarts
     async def bring_up(self, replica, version: str, packed: Packed | None = None) -> None:
         places = await self._places_of([replica])
         if self._trainer is None or replica.replica_id not in places:
             raise WeightSyncError(f"replica {replica.replica_id} cannot be planned for {version}.")
-        route = self.planner(self._trainer, places, self._shared_dir).replicas[0].route
-        await self._sub(route, 0).bring_up(replica, version, packed or self._committed)
+        route = self._plan(places).replicas[0].route
+        await self._sub(route, 0).bring_up(replica, version, packed or self._versions.committed)
 
     # ------------------------------------------------------------------ parts
     async def _places_of(self, replicas: Replicas) -> dict[int, list[Place]]:
         """Each replica's workers' places (asked once per replica process)."""
-        missing = [r for r in replicas if (r.replica_id, r.info.pid) not in self._places]
+        missing = [r for r in replicas if r.process not in self._places]
         if missing:
             asked = await self.fleet.call_all(
                 "collective_rpc",
@@ -179,13 +180,11 @@ class PlannedTransport(Transport):
             raise_errors(asked, "device query", "(plan)")
             for r in missing:
                 if r.replica_id in asked.results:
-                    self._places[(r.replica_id, r.info.pid)] = [
+                    self._places[r.process] = [
                         Place(r.node, normalise_uuid(gpu)) for gpu in asked.results[r.replica_id]
                     ]
         return {
-            r.replica_id: self._places[(r.replica_id, r.info.pid)]
-            for r in replicas
-            if (r.replica_id, r.info.pid) in self._places
+            r.replica_id: self._places[r.process] for r in replicas if r.process in self._places
         }
 
     def _sub(self, route: Route, layer: int) -> Transport:
@@ -199,5 +198,4 @@ class PlannedTransport(Transport):
         for sub in self._subs.values():
             sub.close()
         self._subs.clear()
-        self._committed = self._packed = None
-        self._slots.clear()
+        self._versions.clear()

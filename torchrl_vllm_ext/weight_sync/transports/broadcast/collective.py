@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -17,6 +19,17 @@ from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.listening import gloo_options, listen, serve_store
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JoinedGroup:
+    """A process group and the rendezvous store it was made over (rank 0's store serves
+    the others: it lives as long as the group)."""
+
+    store: Any
+    """The ``torch.distributed.TCPStore``."""
+    process_group: Any
+    """The ``ProcessGroupNCCL`` / ``ProcessGroupGloo`` its collectives run on."""
 
 
 def make_process_group(
@@ -27,7 +40,7 @@ def make_process_group(
     rank: int,
     timeout_s: float,
     listener: socket.socket | None = None,
-):
+) -> JoinedGroup:
     """A process group outside torch.distributed's global state (the worker has its own).
 
     Rank 0 serves the rendezvous store on ``listener``, a socket bound to ``host``
@@ -56,7 +69,7 @@ def make_process_group(
         raise WeightSyncError(
             f"broadcast backend {backend!r} is not supported; use 'gloo' or 'nccl'."
         )
-    return store, pg
+    return JoinedGroup(store, pg)
 
 
 def end_group(backend: str, pg) -> None:
@@ -92,13 +105,13 @@ class BroadcastGroup:
         self.backend = backend
         self.world_size = world_size
         self.port = port  # where rank 0's rendezvous store listens
-        self._store, self._pg = make_process_group(
+        self._joined: JoinedGroup | None = make_process_group(
             backend, host, port, world_size, 0, timeout_s, listener
         )
 
     def send(self, buffers: list[torch.Tensor]) -> None:
         for buf in buffers:
-            self._pg.broadcast(buf.to(self._device(buf)), 0).wait()
+            self._joined.process_group.broadcast(buf.to(self._device(buf)), 0).wait()
             del buf  # a streamed bucket is freed before the next one is asked for
 
     def _device(self, buf: torch.Tensor) -> torch.device:
@@ -110,6 +123,6 @@ class BroadcastGroup:
         return buf.device if buf.is_cuda else torch.device("cuda", torch.cuda.current_device())
 
     def close(self) -> None:
-        end_group(self.backend, self._pg)
-        self._pg = None
-        self._store = None
+        joined, self._joined = self._joined, None
+        if joined is not None:
+            end_group(self.backend, joined.process_group)

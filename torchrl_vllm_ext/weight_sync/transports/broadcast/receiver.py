@@ -25,10 +25,11 @@ from torchrl_vllm_ext.weight_sync.loading.scatter import Changes
 from torchrl_vllm_ext.weight_sync.params import device_checksums
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import (
+    JoinedGroup,
     end_group,
     make_process_group,
 )
-from torchrl_vllm_ext.weight_sync.transports.packing import unpack
+from torchrl_vllm_ext.weight_sync.transports.packing import unpack, verify_checksums
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ class BroadcastReceiver:
 
     def __init__(self, loads: Loads):
         self.loads = loads
-        self.group: tuple | None = None
-        """``(store, process group)`` this worker joined, if any."""
+        self.group: JoinedGroup | None = None
+        """The group this worker joined, if any."""
         self.backend: str | None = None
         self.device: torch.device | None = None
         """Where buckets are received (the worker's GPU for NCCL, else the CPU)."""
@@ -148,15 +149,15 @@ class BroadcastReceiver:
         sums = None
         for i, buf in enumerate(buffers):
             try:
-                group[1].broadcast(buf, 0).wait()
+                group.process_group.broadcast(buf, 0).wait()
                 if header.checksums_follow and i == len(buffers) - 1:
                     sums = torch.empty(len(buffers), dtype=torch.int64, device=self.device)
-                    group[1].broadcast(sums, 0).wait()
+                    group.process_group.broadcast(sums, 0).wait()
             except Exception as e:  # the trainer died or stalled past the group's timeout
                 # The group is unusable now; the next push forms a new one.
                 if self.group is group:
                     self.group = None
-                    end_group(self.backend, group[1])
+                    end_group(self.backend, group.process_group)
                     self.buffers, self.held = [], None
                 error = WeightSyncError(
                     f"broadcast of weight version {header.version} was cut off after "
@@ -177,12 +178,8 @@ class BroadcastReceiver:
             sent = [bucket.checksum for bucket in header.buckets]
         else:  # the sender's int64 words of the uint64 sums
             sent = [s % (1 << 64) for s in sums.tolist()]
-        for i, (have, want) in enumerate(zip(got, sent, strict=True)):
-            if have != want:
-                raise WeightSyncError(
-                    f"bucket {i} of version {header.version} arrived corrupted (checksum {have} "
-                    f"!= {want}{', after its delta' if header.base else ''}); nothing was loaded."
-                )
+        how = "received by broadcast" + (", after its delta" if header.base else "")
+        verify_checksums(header.version, got, sent, how)
         self.sums = sent
 
     def _views(self, header: UpdateHeader) -> list[tuple[str, torch.Tensor]]:
@@ -197,7 +194,7 @@ class BroadcastReceiver:
         and drop the receive buffers; whether it was in one."""
         group, self.group = self.group, None
         if group is not None:
-            end_group(self.backend, group[1])
+            end_group(self.backend, group.process_group)
         self.buffers, self.held = [], None
         return group is not None
 

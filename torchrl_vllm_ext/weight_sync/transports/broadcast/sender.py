@@ -23,6 +23,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -43,9 +44,8 @@ from torchrl_vllm_ext.weight_sync.params import (
 )
 from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, to_json
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup
-from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots, with_checksums
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed, with_checksums
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
-    STAGED_POLL_S,
     Outcomes,
     Prepared,
     Replicas,
@@ -54,12 +54,9 @@ from torchrl_vllm_ext.weight_sync.transports.protocol import (
     WorkerCall,
     calls_for,
     raise_errors,
-    settle,
 )
-
-
-def _key(replica) -> tuple[int, int]:
-    return replica.replica_id, replica.info.pid
+from torchrl_vllm_ext.weight_sync.transports.versions import PackedVersions
+from torchrl_vllm_ext.weight_sync.transports.waits import wait_for_answers, wait_staged
 
 
 def _with_checksums(buckets: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -72,9 +69,19 @@ def _with_checksums(buckets: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
     yield torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in sums], dtype=torch.int64)
 
 
-SENDING_POLL_S = 0.25
-"""Seconds between the same checks while the buckets are being sent (a heartbeat: a
-replica that stops answering them is found while the send still runs)."""
+@dataclass(frozen=True)
+class GroupMembers:
+    """Whom the broadcast group was formed with: a push to other replica processes, or
+    with another timeout, forms a new group."""
+
+    processes: tuple[str, ...]
+    """The member replicas' processes (:attr:`ReplicaView.process`), in rank order."""
+    timeout_s: float
+    """The group's collectives' timeout."""
+
+    @classmethod
+    def of(cls, replicas: Replicas, timeout_s: float) -> GroupMembers:
+        return cls(tuple(r.process for r in replicas), timeout_s)
 
 
 class BroadcastTransport(Transport):
@@ -101,16 +108,16 @@ class BroadcastTransport(Transport):
             backend = "nccl" if torch.cuda.is_available() and fleet.uses_gpu else "gloo"
         self.backend = backend
         self.group: BroadcastGroup | None = None
-        self._members: tuple = ()
-        self._staged: Packed | None = None
-        self._committed: Packed | None = None  # for restarts, and the base of a delta
-        self._slots = PackSlots()  # the trainer's buckets, re-packed in place push to push
+        self._members: GroupMembers | None = None
+        # The trainer's buckets, re-packed in place push to push; the committed ones for
+        # restarts, and the base of a delta.
+        self._versions = PackedVersions()
         self._dtype = torch_dtype(options.delta_dtype) if options.delta_dtype else None
         # Cast as packed: the packed buckets are checked for NaN / inf (half an fp32 push's
         # bytes; a value past the served dtype's range is caught as the inf it becomes).
         self.checks_finite = self._dtype is not None
-        self._held: dict[tuple[int, int], str] = {}
-        """(replica id, pid) -> the version its workers' receive buffers hold (what a delta
+        self._held: dict[str, str] = {}
+        """Replica process (:attr:`ReplicaView.process`) -> the version its workers' receive buffers hold (what a delta
         changes); forgotten when the group is formed again (the workers drop them)."""
 
     @property
@@ -129,11 +136,10 @@ class BroadcastTransport(Transport):
         if packed is None:  # 1) into the set of buckets the committed version is not in
             t0 = time.perf_counter()
             packed = await asyncio.to_thread(
-                self._slots.pack,
+                self._versions.pack,
                 tensors,
                 version,
                 self.options.bucket_bytes,
-                self._committed,
                 self._dtype,
                 self._dtype is None,  # a delta's checksums follow from its base's
             )
@@ -160,7 +166,7 @@ class BroadcastTransport(Transport):
         except BaseException:
             self._held.clear()  # what the workers hold is unknown: the next push is full
             raise
-        self._staged = packed
+        self._versions.stage(packed)
         return Prepared(
             prepared.calls,
             prepared.staged_in,
@@ -172,14 +178,19 @@ class BroadcastTransport(Transport):
     def _delta_base(self, packed: Packed, replicas: Replicas) -> Packed | None:
         """The committed buckets a delta of ``packed`` may change: delta pushes on, the
         same layout, and every replica's workers holding that version."""
-        base = self._committed
+        base = self._versions.committed
         if self._dtype is None or base is None or base.buffers is packed.buffers or not replicas:
             return None
         if [b.tensors for b in base.header.buckets] != [b.tensors for b in packed.header.buckets]:
             return None
-        if self.group is None or tuple(_key(r) for r in replicas) != self._members[1:]:
+        members = self._members
+        if (
+            self.group is None
+            or members is None
+            or members.processes != tuple(r.process for r in replicas)
+        ):
             return None  # the group is formed again: its workers drop their buffers
-        if any(self._held.get(_key(r)) != base.version for r in replicas):
+        if any(self._held.get(r.process) != base.version for r in replicas):
             return None
         return base
 
@@ -224,7 +235,7 @@ class BroadcastTransport(Transport):
         (``header.checksums_follow``). No copy stays here: a restarted replica waits for
         the next push."""
         nbytes = sum(b.nbytes for b in header.buckets)
-        self._staged = None
+        self._versions.stage(None)
         return await self._broadcast(
             header, _with_checksums(buckets), nbytes, header.version, replicas
         )
@@ -251,42 +262,32 @@ class BroadcastTransport(Transport):
             self._drop_group()
             raise
         for r in replicas:  # their workers' buffers hold this version now
-            self._held[_key(r)] = version
+            self._held[r.process] = version
         call = WorkerCall(WorkerMethods.APPLY_STAGED, (version,))
         return Prepared(calls_for(replicas, call), phases={"send": time.perf_counter() - t1})
 
     async def _send(self, buffers, replicas: Replicas, version: str, limit: float) -> None:
         """4) Broadcast the buckets (in a thread) while 5) polling every replica until
         each worker verified them, all within ``limit`` seconds."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + limit
         sending = asyncio.ensure_future(asyncio.to_thread(self.group.send, buffers))
         # If a failed replica ends this push first, the send ends later (the killed
         # member's sockets close, or the group's timeout): its error is not news then.
         sending.add_done_callback(lambda f: f.cancelled() or f.exception())
-        while True:
-            left = end - loop.time()
-            ready = await self._poll(
-                replicas, version, max(min(self.deadline.answer_s, left), 0.001)
-            )
-            received = all(all(per_worker) for per_worker in ready.results.values())
-            if sending.done():
-                if sending.exception() is not None:
-                    await self._send_failed(sending.exception(), replicas, version)
-                if received:
-                    return
-            if left <= 0:
-                waiting = sorted(rid for rid, w in ready.results.items() if not all(w))
-                self._drop_group()  # a collective may still be in flight on it
-                raise WeightSyncError(
-                    f"broadcast of version {version} did not reach replica(s) {waiting} within "
-                    f"its deadline of {limit:.1f}s ({self.deadline}); no replica loaded it. "
-                    "Push again, or raise the deadline for a slower network."
-                )
-            if sending.done():
-                await asyncio.sleep(STAGED_POLL_S)
-            else:  # a heartbeat while sending, but wake as soon as the send ends
-                await asyncio.wait({sending}, timeout=SENDING_POLL_S)
+        # On a deadline or a dead replica the caller drops the group: a collective may
+        # still be in flight on it.
+        await wait_staged(
+            self.fleet,
+            replicas,
+            version,
+            limit,
+            self.deadline.answer_s,
+            check=lambda outcomes, v: self._check(outcomes, "receive", v),
+            sending=sending,
+        )
+        if not sending.done():  # no replica to poll: the send alone (the group's timeout)
+            await asyncio.wait({sending})
+        if sending.exception() is not None:
+            await self._send_failed(sending.exception(), replicas, version)
 
     async def _send_failed(self, error: BaseException, replicas: Replicas, version: str):
         """The trainer's send failed: a member died or stopped. Name it if a last poll
@@ -325,14 +326,13 @@ class BroadcastTransport(Transport):
         await self._ensure_group(replicas, self.deadline.for_bytes(nbytes))
 
     async def commit(self, version: str) -> None:
-        self._committed, self._staged = self._staged, None
-        self._slots.settle(self._committed)
+        self._versions.commit()
 
     async def rollback(self, version: str) -> None:
-        self._staged = None
+        self._versions.rollback()
 
     async def bring_up(self, replica, version: str, packed: Packed | None = None) -> None:
-        packed = packed or self._committed
+        packed = packed or self._versions.committed
         if packed is None or packed.version != version:
             raise WeightSyncError(
                 f"no committed broadcast of version {version} to bring replica "
@@ -397,7 +397,7 @@ class BroadcastTransport(Transport):
         return group
 
     async def _ensure_group(self, replicas: Replicas, timeout_s: float) -> None:
-        members = (timeout_s, *((r.replica_id, r.info.pid) for r in replicas))
+        members = GroupMembers.of(replicas, timeout_s)
         if self.group is not None and members == self._members:
             return
         self._drop_group()
@@ -407,10 +407,11 @@ class BroadcastTransport(Transport):
 
     def _drop_group(self) -> None:
         if self.group is not None:
+            members = self._members.processes if self._members is not None else ()
             closing = [
                 r.handle.collective_rpc.remote(WorkerMethods.CLOSE_BROADCAST)
                 for r in self.fleet.ready()
-                if (r.replica_id, r.info.pid) in self._members
+                if r.process in members
             ]
             # NOTE: freeing a group whose member stopped answering blocks (the rendezvous
             # store's shutdown waits on it): off the event loop, which serves everyone.
@@ -420,14 +421,13 @@ class BroadcastTransport(Transport):
                 name="tvllm-group-close",
                 daemon=True,
             ).start()
-        self.group, self._members = None, ()
+        self.group, self._members = None, None
 
     @staticmethod
     def _close_group(group: BroadcastGroup, closing: list, timeout_s: float) -> None:
         group.close()
-        settle(closing, timeout_s, "close its broadcast group")
+        wait_for_answers(closing, timeout_s, "close its broadcast group")
 
     def close(self) -> None:
         self._drop_group()
-        self._slots.clear()
-        self._staged = self._committed = None
+        self._versions.clear()

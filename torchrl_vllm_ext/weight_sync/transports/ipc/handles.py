@@ -147,7 +147,8 @@ class SharedBuckets:
         receiver: Hashable,
         share_fn: Callable | None = None,
     ) -> tuple:
-        """The handles of ``buffers`` for ``receiver`` (one process: a replica id and pid)."""
+        """The handles of ``buffers`` for ``receiver`` (one process:
+        :attr:`~torchrl_vllm_ext.engine.fleet.ReplicaView.process`)."""
         share_fn = share_fn or share
         self._sets = {k: v for k, v in self._sets.items() if v[0]() is not None}
         first = buffers[0]

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.loading.loads import Loads
 from torchrl_vllm_ext.weight_sync.params import device_checksums
 from torchrl_vllm_ext.weight_sync.specs import IpcUpdate, from_json
 from torchrl_vllm_ext.weight_sync.transports.ipc.handles import OpenedBuckets
-from torchrl_vllm_ext.weight_sync.transports.packing import unpack
+from torchrl_vllm_ext.weight_sync.transports.packing import unpack, verify_checksums
 
 
 class IpcReceiver:
@@ -53,16 +52,11 @@ class IpcReceiver:
         if self.opened is None:
             self.opened = OpenedBuckets()
         buffers = self.opened.open(update.handles)
+        header = update.header
         sums = device_checksums(buffers)  # on the GPU, one sync for every bucket
-        out = []
-        for i, (bucket, buf, got) in enumerate(
-            zip(update.header.buckets, buffers, sums, strict=True)
-        ):
-            if got != bucket.checksum:
-                raise WeightSyncError(
-                    f"bucket {i} of version {update.header.version} read through CUDA IPC does "
-                    f"not match the trainer's (checksum {got} != {bucket.checksum}); nothing "
-                    "was loaded."
-                )
-            out.extend(unpack(bucket, buf))
-        return out
+        verify_checksums(
+            header.version, sums, [b.checksum for b in header.buckets], "read through CUDA IPC"
+        )
+        return [
+            item for b, buf in zip(header.buckets, buffers, strict=True) for item in unpack(b, buf)
+        ]

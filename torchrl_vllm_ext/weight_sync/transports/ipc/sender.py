@@ -7,7 +7,7 @@ engine keeps generating; 3) wait until every worker verified. In the pause the w
 copy from the buckets into their parameters (``apply_staged_weights``): a device-to-device
 copy. The committed buckets stay alive for restarted replicas (``receive_weight_ipc``).
 
-The buckets are two sets, A and B (:class:`~..packing.PackSlots`), re-packed in place: the
+The buckets are two sets, A and B (:class:`~..versions.PackedVersions`), re-packed in place: the
 committed version's set stays intact while the other takes the next push, each set is
 shared once per replica (the same handles in every update to it), and the workers keep their mappings of
 both (:class:`.handles.OpenedBuckets`), so no push opens new IPC handles; ``close`` has
@@ -20,7 +20,6 @@ its GPU; ``auto``'s plan routes them here. Its receiver: :mod:`.receiver`.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 import torch
@@ -29,7 +28,7 @@ from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.extensions import WorkerMethods
 from torchrl_vllm_ext.weight_sync.specs import IpcUpdate, to_json
 from torchrl_vllm_ext.weight_sync.transports.ipc.handles import SharedBuckets, share
-from torchrl_vllm_ext.weight_sync.transports.packing import Packed, PackSlots
+from torchrl_vllm_ext.weight_sync.transports.packing import Packed
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Prepared,
     Replicas,
@@ -38,12 +37,10 @@ from torchrl_vllm_ext.weight_sync.transports.protocol import (
     WorkerCall,
     calls_for,
     raise_errors,
-    settle,
     trainer_device,
-    wait_staged,
 )
-
-logger = logging.getLogger(__name__)
+from torchrl_vllm_ext.weight_sync.transports.versions import PackedVersions
+from torchrl_vllm_ext.weight_sync.transports.waits import release_on_replicas, wait_staged
 
 
 class IpcTransport(Transport):
@@ -63,9 +60,7 @@ class IpcTransport(Transport):
 
     def __init__(self, fleet, options: TransportOptions):
         super().__init__(fleet, options)
-        self._staged: Packed | None = None  # the buckets the replicas staged from
-        self._committed: Packed | None = None
-        self._slots = PackSlots()  # the buckets, re-packed in place push after push
+        self._versions = PackedVersions()  # the buckets, re-packed in place push after push
         self._shared = SharedBuckets()  # their handles, shared once per set and replica
 
     async def prepare(
@@ -84,7 +79,7 @@ class IpcTransport(Transport):
                 )
             t0 = time.perf_counter()
             packed = await asyncio.to_thread(
-                self._slots.pack, tensors, version, self.options.bucket_bytes, self._committed
+                self._versions.pack, tensors, version, self.options.bucket_bytes
             )
             phases["pack"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -106,7 +101,7 @@ class IpcTransport(Transport):
             self.deadline.for_bytes(nbytes),
             self.deadline.answer_s,
         )
-        self._staged = packed
+        self._versions.stage(packed)
         phases["share"] = time.perf_counter() - t0
         call = WorkerCall(WorkerMethods.APPLY_STAGED, (version,))
         return Prepared(
@@ -122,7 +117,7 @@ class IpcTransport(Transport):
             r.replica_id: to_json(
                 IpcUpdate(
                     packed.header,
-                    self._shared.handles(packed.buffers, (r.replica_id, r.info.pid), share),
+                    self._shared.handles(packed.buffers, r.process, share),
                 )
             )
             for r in replicas
@@ -131,15 +126,14 @@ class IpcTransport(Transport):
     async def commit(self, version: str) -> None:
         # The workers copied out of the buckets in their pause; the set of the previous
         # version takes the next push (re-packed in place: the workers keep its mappings).
-        self._committed, self._staged = self._staged, None
-        self._slots.settle(self._committed)
+        self._versions.commit()
 
     async def rollback(self, version: str) -> None:
-        self._staged = None
+        self._versions.rollback()
 
     async def bring_up(self, replica, version: str, packed: Packed | None = None) -> None:
         if packed is None or packed.version != version:
-            packed = self._committed  # else the caller's: it keeps the buckets alive
+            packed = self._versions.committed  # else the caller's: it keeps the buckets alive
         if packed is not None and packed.version == version:
             update = self._updates(packed, [replica])[replica.replica_id]  # its own share
         else:
@@ -152,17 +146,10 @@ class IpcTransport(Transport):
     def close(self) -> None:
         """Have every replica drop its mappings of the buckets (the trainer's GPU memory is
         freed once nobody maps them), then drop them."""
-        refs = []
-        for r in self.fleet.ready():
-            try:
-                refs.append(r.handle.collective_rpc.remote(WorkerMethods.RELEASE_IPC))
-            except Exception:  # Ray already shut down: the replicas are gone with it
-                logger.debug("could not ask replica %d to unmap its IPC buckets", r.replica_id)
-        settle(refs, RELEASE_WAIT_S, "unmap the IPC buckets")
-        self._staged = self._committed = None
-        self._slots.clear()
+        release_on_replicas(
+            self.fleet,
+            lambda r: [r.handle.collective_rpc.remote(WorkerMethods.RELEASE_IPC)],
+            "unmap the IPC buckets",
+        )
+        self._versions.clear()
         self._shared.clear()
-
-
-RELEASE_WAIT_S = 10.0
-"""How long :meth:`IpcTransport.close` waits for the replicas to unmap the buckets."""

@@ -20,7 +20,6 @@ its part in the replica actor (the checksum pass): :mod:`.actor`.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import time
 from pathlib import Path
@@ -41,12 +40,9 @@ from torchrl_vllm_ext.weight_sync.transports.protocol import (
     WorkerCall,
     calls_for,
     raise_errors,
-    settle,
-    wait_staged,
 )
 from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotWriter
-
-logger = logging.getLogger(__name__)
+from torchrl_vllm_ext.weight_sync.transports.waits import release_on_replicas, wait_staged
 
 
 class StorageTransport(Transport):
@@ -197,20 +193,13 @@ class StorageTransport(Transport):
 
     def close(self) -> None:
         """Have every replica drop its mappings of the slots, then remove them."""
-        refs = []
-        for r in self.fleet.ready():
-            try:
-                refs.append(
-                    r.handle.extension_call.remote(ActorMethods.RELEASE_STORAGE, (self.root,))
-                )
-                refs.append(
-                    r.handle.collective_rpc.remote(WorkerMethods.RELEASE_STORAGE, (self.root,))
-                )
-            except Exception:  # Ray already shut down: the replicas are gone with it
-                logger.debug("could not ask replica %d to unmap %s", r.replica_id, self.root)
-        settle(refs, RELEASE_WAIT_S, "unmap the slots")
+        root = (self.root,)
+        release_on_replicas(
+            self.fleet,
+            lambda r: [
+                r.handle.extension_call.remote(ActorMethods.RELEASE_STORAGE, root),
+                r.handle.collective_rpc.remote(WorkerMethods.RELEASE_STORAGE, root),
+            ],
+            f"unmap the slots of {self.root}",
+        )
         self.writer.close()
-
-
-RELEASE_WAIT_S = 10.0
-"""How long :meth:`StorageTransport.close` waits for the replicas to unmap the slots."""

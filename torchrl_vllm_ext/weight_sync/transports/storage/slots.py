@@ -24,7 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_vllm_ext import leftovers
-from torchrl_vllm_ext._files import fsync_path, write_text_atomic
+from torchrl_vllm_ext._files import write_text_atomic
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.params import checksum, dtype_name
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest, TensorSpec, from_json, to_json
@@ -52,10 +52,6 @@ def layout_of(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None
 def open_slot(path: str | Path, mode: str = "r+") -> TensorDict:
     """A slot's tensors, mapped (``r+``: a writer in another process fills its part)."""
     return TensorDict.load_memmap(path, mode=mode)
-
-
-# A module global, so the writer-kill tests can cut a publish at this step.
-_fsync_dir = fsync_path
 
 
 def _private(path: Path) -> None:
@@ -200,7 +196,7 @@ class SlotWriter:
         Also rolls a failed push back: re-publishing the previous manifest is safe
         because a write only ever fills the other slot.
         """
-        write_text_atomic(self.root / CURRENT, to_json(manifest), fsync_dir=_fsync_dir)
+        write_text_atomic(self.root / CURRENT, to_json(manifest))
         logger.debug(
             "published version %s in slot %s of %s", manifest.version, manifest.slot, self.root
         )
