@@ -18,7 +18,7 @@ _EXPORTS = {
     "AdapterSync": "torchrl_vllm_ext.weight_sync.adapters",
     "Deadline": "torchrl_vllm_ext.deadlines",
     "WeightSyncUpdater": "torchrl_vllm_ext.collectors",
-    "ServiceSyncScheme": "torchrl_vllm_ext.weight_sync.torchrl_sender",
+    "ServiceSyncScheme": "torchrl_vllm_ext.weight_sync.torchrl.script_scheme",
     "AsyncCollection": "torchrl_vllm_ext.collectors",
     "StalenessFilter": "torchrl_vllm_ext.collectors",
     "StalenessGate": "torchrl_vllm_ext.collectors",

@@ -22,7 +22,7 @@ WORKER_EXTENSION = "torchrl_vllm_ext.weight_sync.worker.WeightSyncWorkerExtensio
 """vLLM ``worker_extension_cls`` of every replica: every transport's receiver."""
 ACTOR_EXTENSION = "torchrl_vllm_ext.weight_sync.actor.WeightSyncActorExtension"
 """Actor extension of every replica: storage staging in the actor."""
-ENGINE_UPDATES = "torchrl_vllm_ext.weight_sync.engine_updates.EngineUpdates"
+ENGINE_UPDATES = "torchrl_vllm_ext.weight_sync.torchrl.engine_updates.EngineUpdates"
 """What the service's TorchRL engine weight calls (``RLvLLMEngine.update_weights``, ...)
 go through: built with the service on first use (``EngineUpdates(service)``)."""
 

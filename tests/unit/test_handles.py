@@ -17,7 +17,7 @@ from torchrl_vllm_ext.engine.handles.owner import FORWARDED, owner_only, twins
 from torchrl_vllm_ext.engine.handles.pool import HandlePool
 from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, ServiceClosedError
 from torchrl_vllm_ext.messages import ReplicaInfo
-from torchrl_vllm_ext.weight_sync.torchrl_sender import ServiceSyncScheme
+from torchrl_vllm_ext.weight_sync.torchrl.script_scheme import ServiceSyncScheme
 
 
 class _Remote:

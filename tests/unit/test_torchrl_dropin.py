@@ -19,13 +19,13 @@ from torchrl_vllm_ext.engine.driver.torchrl_engine import (
     register_engine,
 )
 from torchrl_vllm_ext.errors import ConfigurationError
-from torchrl_vllm_ext.weight_sync.engine_updates import collect, decoder_names_to_checkpoint
 from torchrl_vllm_ext.weight_sync.sources import (
     adapter_source,
     full_push_source,
     merged_lora_state,
 )
-from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes, next_version, tracked_version
+from torchrl_vllm_ext.weight_sync.torchrl.engine_updates import collect, decoder_names_to_checkpoint
+from torchrl_vllm_ext.weight_sync.torchrl.pushes import TorchRLPushes, next_version, tracked_version
 
 from ..helpers import FakeService
 

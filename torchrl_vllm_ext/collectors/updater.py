@@ -16,7 +16,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from torchrl_vllm_ext.errors import ConfigurationError
-from torchrl_vllm_ext.weight_sync.torchrl_pushes import tracked_version
+from torchrl_vllm_ext.weight_sync.torchrl.pushes import tracked_version
 
 with warnings.catch_warnings():
     # NOTE: subclassing WeightUpdaterBase warns that it is deprecated in favour of

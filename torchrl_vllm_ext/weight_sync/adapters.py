@@ -41,7 +41,7 @@ from torchrl_vllm_ext.engine.adapters import AdapterPacker, AdapterTensors, adap
 from torchrl_vllm_ext.engine.driver.service import VLLMService
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync.sources import adapter_source
-from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes
+from torchrl_vllm_ext.weight_sync.torchrl.pushes import TorchRLPushes
 
 logger = logging.getLogger(__name__)
 

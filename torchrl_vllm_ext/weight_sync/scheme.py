@@ -44,8 +44,11 @@ from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames
 from torchrl_vllm_ext.weight_sync.params import expected_specs, torch_dtype, validate
 from torchrl_vllm_ext.weight_sync.report import SyncReport
 from torchrl_vllm_ext.weight_sync.sources import PushSource, full_push_source
-from torchrl_vllm_ext.weight_sync.torchrl_contract import TorchRLSchemeCalls, register_with_torchrl
-from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes
+from torchrl_vllm_ext.weight_sync.torchrl.pushes import TorchRLPushes
+from torchrl_vllm_ext.weight_sync.torchrl.scheme_contract import (
+    SchemeContract,
+    register_with_torchrl,
+)
 from torchrl_vllm_ext.weight_sync.transport_choice import choose_transport, delta_dtype
 from torchrl_vllm_ext.weight_sync.transports import registry
 from torchrl_vllm_ext.weight_sync.transports.packing import DEFAULT_BUCKET_BYTES
@@ -57,7 +60,7 @@ logger = logging.getLogger(__name__)
 ROLLOUTS = ("parallel", "rolling")
 
 
-class WeightSyncScheme(TorchRLSchemeCalls):
+class WeightSyncScheme:
     """Pushes trainer weights into every replica of a :class:`~torchrl_vllm_ext.VLLMService`.
 
     Args:
@@ -176,14 +179,14 @@ class WeightSyncScheme(TorchRLSchemeCalls):
         self._nbytes = 0
         self.last_report: SyncReport | None = None
         self._lock = asyncio.Lock()
-        self.model_id: str | None = None  # TorchRL's sender state (init_on_sender)
-        self._context = None
-        self._model = None
         self.torchrl = TorchRLPushes(self.push, lambda: self.fleet.weight_version)
         """Every push from TorchRL's entry points (this scheme's hooks, the updater, the
         engine calls), versioned in one place."""
-        self.initialized_on_sender = False
-        self.synchronized_on_sender = False
+        self.torchrl_contract = SchemeContract(
+            self.torchrl, lambda: self.service.run(self.aconnect())
+        )
+        """TorchRL's ``WeightSyncScheme`` calls (a collector's ``weight_sync_schemes=``) and
+        their state; the scheme's methods of the same names delegate to it."""
         logger.info(
             "weight sync transport: %s (%s)%s",
             name,
@@ -514,6 +517,38 @@ class WeightSyncScheme(TorchRLSchemeCalls):
             )
             self.fleet.set_provider(None)
         self.transport_impl.close()
+
+    # ------------------------------------------------------------------ TorchRL's contract
+    # A collector given weight_sync_schemes= calls these: one line into the part.
+    def init_on_sender(self, **kwargs) -> None:
+        """:meth:`.SchemeContract.init_on_sender`: bind to a collector (and a model)."""
+        self.torchrl_contract.init_on_sender(**kwargs)
+
+    def connect(self, *, worker_idx: int | None = None, weights=None) -> None:
+        """:meth:`.SchemeContract.connect`: prepare the transport; push ``weights`` if given."""
+        self.torchrl_contract.connect(worker_idx=worker_idx, weights=weights)
+
+    def send(self, weights=None, worker_ids=None) -> SyncReport:
+        """:meth:`.SchemeContract.send`: push as the collector's next policy version."""
+        return self.torchrl_contract.send(weights, worker_ids)
+
+    def init_on_receiver(self, *args, **kwargs) -> None:
+        """Refused (:meth:`.SchemeContract.init_on_receiver`): no receiver side."""
+        self.torchrl_contract.init_on_receiver(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        """TorchRL's name for :meth:`close`."""
+        self.close()
+
+    model_id = property(lambda self: self.torchrl_contract.model_id, doc="TorchRL's model id.")
+    initialized_on_sender = property(
+        lambda self: self.torchrl_contract.initialized_on_sender,
+        doc="Whether TorchRL's ``init_on_sender`` ran.",
+    )
+    synchronized_on_sender = property(
+        lambda self: self.torchrl_contract.synchronized_on_sender,
+        doc="Whether TorchRL's ``connect`` ran.",
+    )
 
     def __enter__(self) -> WeightSyncScheme:
         return self

