@@ -545,9 +545,10 @@ class ReplicaPool(ReplicaCalls):
         if rec is not None and rec.info is not None and rec.view().process == process:
             self._died(rec.view(), ReplicaDeadError(cause), f"{what} (seen by a handle)")
 
-    def discard(self, view: ReplicaView, error: BaseException, what: str) -> None:
-        """Restart a live replica that must not serve (its weights failed verification):
-        recorded and restarted as a death, at the pool's weight version."""
+    def restart_untrusted(self, view: ReplicaView, error: BaseException, what: str) -> None:
+        """Restart a live replica that must not serve (its weights failed verification, or
+        a load broke off half-way): recorded and restarted as a death, at the live
+        weights."""
         self._died(view, error, what)
 
     async def _restart(self, rec: _Record) -> None:

@@ -7,7 +7,7 @@
 
 All of their state lives on one private event loop (:class:`~.loop.LoopThread`): the sync
 methods block on it and the ``a``-prefixed ones await it (both made from one coroutine,
-:func:`~torchrl_vllm_ext.engine.handles.owner.twins`). Readers of the ready snapshot (``replica_ids``, ``replica_info``,
+:func:`~torchrl_vllm_ext.engine.handles.owner.sync_and_async`). Readers of the ready snapshot (``replica_ids``, ``replica_info``,
 ...) run on the caller's thread.
 
 The service pickles, as TorchRL's ``AsyncVLLM`` does: in another Ray process it is a
@@ -64,7 +64,7 @@ from torchrl_vllm_ext.engine.handles.owner import (
     close_at_exit,
     delegate,
     owner_only,
-    twins,
+    sync_and_async,
 )
 from torchrl_vllm_ext.engine.handles.pool import HandlePool
 from torchrl_vllm_ext.errors import ConfigurationError, ServiceClosedError
@@ -318,7 +318,7 @@ class VLLMService:
         )
         return request_outputs(batch, parsed.texts, sampling_params, self.name)
 
-    generate, agenerate = twins(_generate)
+    generate, agenerate = sync_and_async(_generate)
     generate = actor_style(generate)
 
     async def _generate_request_data(
@@ -332,7 +332,7 @@ class VLLMService:
         )
         return batch.unpack()
 
-    generate_request_data, agenerate_request_data = twins(_generate_request_data)
+    generate_request_data, agenerate_request_data = sync_and_async(_generate_request_data)
 
     async def _generate_request_batch(
         self,
@@ -357,7 +357,7 @@ class VLLMService:
             prompt_token_ids, sampling_params, timeout, routing, lora, return_log_probs, seeds
         )
 
-    generate_request_batch, agenerate_request_batch = twins(_generate_request_batch)
+    generate_request_batch, agenerate_request_batch = sync_and_async(_generate_request_batch)
 
     def _encode(self, texts: list[str], tokenization_kwargs=None) -> list[list[int]]:
         # The tokenizer is loaded at the first text prompt, not for token prompts.
@@ -436,9 +436,9 @@ class VLLMService:
         finally:
             self._publish()
 
-    add_lora, _ = twins(_add_lora, owner=True)
-    add_lora_tensors, _ = twins(_add_lora_tensors, owner=True)
-    remove_lora, aremove_lora = twins(_remove_lora, owner=True)
+    add_lora, _ = sync_and_async(_add_lora, owner=True)
+    add_lora_tensors, _ = sync_and_async(_add_lora_tensors, owner=True)
+    remove_lora, aremove_lora = sync_and_async(_remove_lora, owner=True)
 
     def list_loras(self) -> dict[str, int]:
         """Live adapters: name -> vLLM id."""
@@ -458,7 +458,7 @@ class VLLMService:
         """
         await self._control.label(version)
 
-    set_weight_version, aset_weight_version = twins(_set_weight_version, owner=True)
+    set_weight_version, aset_weight_version = sync_and_async(_set_weight_version, owner=True)
 
     def set_weights_provider(self, provider: WeightsProvider | None) -> None:
         """Make ``provider`` bring restarted replicas to the live weights (None: nobody).

@@ -2,7 +2,7 @@
 that launched it) or a handle (the service pickled into another Ray process), and the
 methods written once for both of them.
 
-* :func:`twins`: one coroutine that runs on the service's event loop makes both the
+* :func:`sync_and_async`: one coroutine that runs on the service's event loop makes both the
   blocking method and its ``a``-prefixed awaitable form.
 * :func:`owner_only`: the owner runs the method; a handle forwards the call to the owner
   through the service's directory and returns its answer (the owner pushes, pauses,
@@ -66,7 +66,7 @@ def _delegated(part_cls: type, part: str, name: str, owner: bool):
     return owner_only(method) if owner else method
 
 
-def twins(work: Callable, owner: bool = False) -> tuple[Callable, Callable]:
+def sync_and_async(work: Callable, owner: bool = False) -> tuple[Callable, Callable]:
     """``(sync, async)`` methods from ``work(self, ...)``, a coroutine function that runs
     on the service's event loop. With ``owner``, both are :func:`owner_only` (the async
     form forwards from a thread)."""
@@ -151,5 +151,5 @@ __all__ = [
     "close_at_exit",
     "delegate",
     "owner_only",
-    "twins",
+    "sync_and_async",
 ]
