@@ -127,7 +127,7 @@ def test_replicas_sharing_a_gpu_start_without_a_hand_set_kv_size(
     gpu_service, fresh, record_property
 ):
     record_property("launch_s", round(gpu_service.launch_s, 1))
-    pins = gpu_service.pool.start_gates.order.pins  # the first replica's measured KV size
+    pins = gpu_service.pool.launcher.start_gates.order.pins  # the first replica's measured KV size
     record_property(
         "kv_pins", "; ".join(f"{p} after {p.after_s} s" for p in pins.values()) or "none"
     )

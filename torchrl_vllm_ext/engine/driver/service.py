@@ -166,7 +166,7 @@ class VLLMService:
                 config.ray_address, log_to_driver=config.log_file is None
             )
             svc._link = links.OwnerLink(svc.name, functools.partial(links.serve, svc))
-            svc.pool.on_publish(svc._publish)
+            svc.pool.records.on_publish(svc._publish)
             svc._loop.run(svc._launch())
         except BaseException:
             svc.shutdown()
@@ -181,7 +181,7 @@ class VLLMService:
         importing = asyncio.ensure_future(asyncio.to_thread(_driver_imports))
         await self.pool.start(self.config.num_replicas, "starting vLLM replicas")
         await importing
-        self.pool.start_health_checks()
+        self.pool.health.start()
 
     def follow(self, link, adapters) -> None:
         """A handle's set-up (``links.attach``): owner-only calls go through ``link``
@@ -199,7 +199,7 @@ class VLLMService:
         """At exit, when Ray was shut down first (its replicas were killed with it): mark
         the service closed and remove their temporary directories once they are gone."""
         self._closed = True
-        leftovers.reap_when_gone(self.pool.temp_dirs())
+        leftovers.reap_when_gone(self.pool.records.temp_dirs())
 
     @property
     def reserved_port(self) -> int:
