@@ -83,7 +83,7 @@ class Control:
         """Whether each ready replica sleeps (at all, or in part)."""
         return self.call_all("is_sleeping")
 
-    async def label(self, version: str | int) -> None:
+    async def set_weight_version(self, version: str | int) -> None:
         """Label every ready replica's weights with ``version``.
 
         The label replaces the weights provider's: a replica started afterwards gets the
@@ -199,6 +199,12 @@ class FleetView:
         """The version every replica serves and restarted replicas are brought to."""
         return self.pool.weight_version
 
+    @property
+    def weights_provider(self):
+        """What brings restarted replicas to the live weights (the weight-sync scheme that
+        pushed last; None: nobody, and always None on a handle)."""
+        return self.pool.provider
+
 
 FLEET_VIEW = [
     "replicas",
@@ -213,6 +219,7 @@ FLEET_VIEW = [
     "max_model_len",
     "uses_gpu",
     "weight_version",
+    "weights_provider",
 ]
 """The :class:`FleetView` names the service exposes."""
 CONTROL = ["stats", "is_sleeping", "weight_versions", "reset_prefix_cache"]
