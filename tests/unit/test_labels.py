@@ -183,3 +183,13 @@ def test_a_label_set_by_hand_follows_a_restart_only_over_the_checkpoint(model_di
         assert pool.records.get(0).actor.version == "base"
 
     asyncio.run(run())
+
+
+def test_closing_a_pool_of_stand_ins_forgets_them_without_stopping_them(model_dir):
+    async def run():
+        pool = pool_of(model_dir, 2)
+        await pool.close()  # a stand-in has no Ray actor to shut down or kill
+        assert pool.ready() == () and dict(pool.states()) == {}
+        assert pool.launcher.adopted == []
+
+    asyncio.run(run())

@@ -25,11 +25,11 @@ class _StandInLauncher(ReplicaLauncher):
 
     def __init__(self, config: ServiceConfig):
         super().__init__(config)
-        self.adopted: set[int] = set()  # id() of each adopted actor
+        self.adopted: list[Any] = []  # the stand-in actors (compared by identity)
 
     async def stop(self, rid: int, actor: Any, pg: Any, graceful: bool = True) -> None:
-        if pg is None and id(actor) in self.adopted:
-            self.adopted.discard(id(actor))
+        if any(actor is stand_in for stand_in in self.adopted):
+            self.adopted = [a for a in self.adopted if a is not actor]
             return
         await super().stop(rid, actor, pg, graceful)
 
@@ -54,7 +54,7 @@ class StandInPool(ReplicaPool):
         """Serve ``replica`` (its handle a stand-in actor) as a ready replica."""
         rec = Record(replica.replica_id, pg=None, node=replica.node)
         rec.actor, rec.info = replica.handle, replica.info
-        self.launcher.adopted.add(id(replica.handle))
+        self.launcher.adopted.append(replica.handle)
         self.records.add(rec)
         self._ids = itertools.count(max(r.replica_id for r in self.records.all()) + 1)
         if self._limits is None:
