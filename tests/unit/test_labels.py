@@ -104,7 +104,7 @@ async def start_again(pool: StandInPool, rid: int) -> ReplicaState:
     rec = pool.records.get(rid)
     pool.records.set_state(rec, ReplicaState.STARTING)
     rec.actor = Actor(pool.admission.labels.checkpoint)  # a fresh engine holds the checkpoint
-    pool.admission.admit(rec, await pool.admission.match_service(rec.view()))
+    pool.admission.admit(rec, await pool.admission.bring_to_service(rec.view()))
     return pool.states()[rid]
 
 

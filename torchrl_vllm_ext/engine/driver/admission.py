@@ -86,10 +86,6 @@ class Admission:
         the version the provider loaded (None: none, it still holds the checkpoint)."""
         for step in self._bring_up_steps:  # adapters, before it takes traffic
             await step(view)
-        return await self.match_service(view)
-
-    async def match_service(self, view: ReplicaView) -> str | None:
-        """The weights, pause and sleep of :meth:`bring_to_service` (adapters left out)."""
         state, actor = self.serving, view.handle
         loaded = None
         for step in restart_steps(state):
