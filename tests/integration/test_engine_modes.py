@@ -65,10 +65,10 @@ def engine_process_service(tiny_model, ray_cluster, start_log):
     """Two replicas whose ``AsyncLLM`` runs its engine core in a process of its own (its
     start blocks the actor's event loop, as on GPU), forced into the start order of
     replicas sharing a GPU."""
-    from torchrl_vllm_ext.engine.driver import pool as pool_module
+    from torchrl_vllm_ext.engine.driver import launcher
 
     with pytest.MonkeyPatch.context() as patch:  # as replicas sharing a GPU (at launch)
-        patch.setattr(pool_module, "orders_starts", lambda *args: True)
+        patch.setattr(launcher, "orders_starts", lambda *args: True)
         svc = VLLMService.launch(
             tiny_model,
             num_replicas=2,
