@@ -69,7 +69,7 @@ def w0(trainer) -> Snapshot:
 @pytest.fixture(scope="module")
 def gpu_service(model_dir):
     # Two replicas sharing the trainer's GPU (halves of GPU 0 when one GPU is lent), no
-    # kv_cache_memory_bytes: the first profiles the GPU alone (engine/driver/launcher.py's start order).
+    # kv_cache_memory_bytes: the first profiles the GPU alone (driver/launcher.py's start order).
     t0 = time.perf_counter()
     svc = VLLMService.launch(
         model_dir, num_replicas=2, gpus_per_replica=0.5, enable_sleep_mode=True, **GPU_ENGINE_KWARGS
