@@ -48,7 +48,7 @@ def launch(model: str, replicas: int, kwargs: dict) -> tuple[float, dict]:
                 "by": pin.measured_by,
                 "after_s": pin.after_s,
             }
-            for (node, devices), pin in svc.pool.start_gates.order.pins.items()
+            for (node, devices), pin in svc.pool.launcher.start_gates.order.pins.items()
         }
         kv = {rid: svc.replica_info(rid).kv_cache_bytes for rid in svc.replica_ids}
         out = svc.generate_request_batch([[5, 6, 7]] * 4, {"max_tokens": 4, "ignore_eos": True})

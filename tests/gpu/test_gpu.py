@@ -69,7 +69,7 @@ def w0(trainer) -> Snapshot:
 @pytest.fixture(scope="module")
 def gpu_service(model_dir):
     # Two replicas sharing the trainer's GPU (halves of GPU 0 when one GPU is lent), no
-    # kv_cache_memory_bytes: the first profiles the GPU alone (engine/driver/pool.py's start lock).
+    # kv_cache_memory_bytes: the first profiles the GPU alone (driver/launcher.py's start order).
     t0 = time.perf_counter()
     svc = VLLMService.launch(
         model_dir, num_replicas=2, gpus_per_replica=0.5, enable_sleep_mode=True, **GPU_ENGINE_KWARGS
@@ -127,7 +127,7 @@ def test_replicas_sharing_a_gpu_start_without_a_hand_set_kv_size(
     gpu_service, fresh, record_property
 ):
     record_property("launch_s", round(gpu_service.launch_s, 1))
-    pins = gpu_service.pool.start_gates.order.pins  # the first replica's measured KV size
+    pins = gpu_service.pool.launcher.start_gates.order.pins  # the first replica's measured KV size
     record_property(
         "kv_pins", "; ".join(f"{p} after {p.after_s} s" for p in pins.values()) or "none"
     )

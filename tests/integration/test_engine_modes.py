@@ -65,10 +65,10 @@ def engine_process_service(tiny_model, ray_cluster, start_log):
     """Two replicas whose ``AsyncLLM`` runs its engine core in a process of its own (its
     start blocks the actor's event loop, as on GPU), forced into the start order of
     replicas sharing a GPU."""
-    from torchrl_vllm_ext.engine.driver import pool as pool_module
+    from torchrl_vllm_ext.engine.driver import launcher
 
     with pytest.MonkeyPatch.context() as patch:  # as replicas sharing a GPU (at launch)
-        patch.setattr(pool_module, "orders_starts", lambda *args: True)
+        patch.setattr(launcher, "orders_starts", lambda *args: True)
         svc = VLLMService.launch(
             tiny_model,
             num_replicas=2,
@@ -108,7 +108,7 @@ def test_replicas_sharing_a_gpu_start_with_the_size_the_first_logged(
     from ..helpers import wait_restarted
 
     svc = engine_process_service
-    (key, pin), *others = svc.pool.start_gates.order.pins.items()
+    (key, pin), *others = svc.pool.launcher.start_gates.order.pins.items()
     assert not others and key[1] == "*", "CPU actors see no device: one key per node"
     # vLLM-CPU logs "Explicitly set (0.06/...) GiB": the size, rounded down.
     assert 0.05 * (1 << 30) < pin.nbytes <= ENGINE_KWARGS["kv_cache_memory_bytes"]

@@ -1,6 +1,6 @@
 """The logic of service handles without Ray or vLLM: the directory's table and mailbox,
 a handle's pool (deaths leave its snapshot and are reported once), owner-only
-forwarding, the sync/async twins, and TorchRL's sender shape over a service."""
+forwarding, the sync and async forms of one coroutine, and TorchRL's sender shape over a service."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.fleet import ReplicaView
 from torchrl_vllm_ext.engine.handles.directory import ReplicaDirectory, ReplicaTable
-from torchrl_vllm_ext.engine.handles.owner import FORWARDED, owner_only, twins
+from torchrl_vllm_ext.engine.handles.owner import FORWARDED, owner_only, sync_and_async
 from torchrl_vllm_ext.engine.handles.pool import HandlePool
 from torchrl_vllm_ext.errors import ConfigurationError, ReplicaDeadError, ServiceClosedError
 from torchrl_vllm_ext.messages import ReplicaInfo
@@ -112,7 +112,7 @@ def test_owner_only_runs_on_the_owner_and_forwards_from_a_handle():
             """Label the replicas."""
             return f"labelled {version}"
 
-        label, alabel = twins(_label, owner=True)
+        label, alabel = sync_and_async(_label, owner=True)
 
     assert "pause" in FORWARDED and "label" in FORWARDED
     assert Svc(True).pause("keep") == "paused keep"

@@ -10,11 +10,11 @@ import pytest
 from safetensors.torch import save_file
 
 from torchrl_vllm_ext.engine.config import ServiceConfig
-from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
 from torchrl_vllm_ext.engine.fleet import ReplicaState, ReplicaView
 from torchrl_vllm_ext.engine.labels import WeightLabels, held_refusal
 from torchrl_vllm_ext.errors import NoHealthyReplicaError
 from torchrl_vllm_ext.messages import ReplicaInfo
+from torchrl_vllm_ext.testing.stand_in_pool import StandInPool
 
 
 def test_a_replica_that_loaded_nothing_holds_the_checkpoint_under_its_label():
@@ -90,21 +90,21 @@ def model_dir(tmp_path):
     return tmp_path
 
 
-def pool_of(model_dir, n: int, **config) -> ReplicaPool:
-    pool = ReplicaPool(ServiceConfig(model=str(model_dir), **config), "svc")
+def pool_of(model_dir, n: int, **config) -> StandInPool:
+    pool = StandInPool(ServiceConfig(model=str(model_dir), **config), "svc")
     for rid in range(n):
         info = ReplicaInfo(rid, 0, "127.0.0.1", 256, 100, 4096)
-        pool.adopt(ReplicaView(rid, Actor(pool.labels.checkpoint), info))
+        pool.adopt(ReplicaView(rid, Actor(pool.admission.labels.checkpoint), info))
     return pool
 
 
-async def start_again(pool: ReplicaPool, rid: int) -> ReplicaState:
+async def start_again(pool: StandInPool, rid: int) -> ReplicaState:
     """What the pool does with a replica whose engine just (re)started: its provider step,
     then READY or HELD (the Ray part of a start left out)."""
-    rec = pool._records[rid]
-    pool._set_state(rec, ReplicaState.STARTING)
-    rec.actor = Actor(pool.labels.checkpoint)  # a fresh engine holds the checkpoint
-    pool._admit(rec, await pool._match_service(rec.view()))
+    rec = pool.records.get(rid)
+    pool.records.set_state(rec, ReplicaState.STARTING)
+    rec.actor = Actor(pool.admission.labels.checkpoint)  # a fresh engine holds the checkpoint
+    pool.admission.admit(rec, await pool.admission.bring_to_service(rec.view()))
     return pool.states()[rid]
 
 
@@ -115,15 +115,15 @@ def test_a_replica_started_after_the_scheme_closed_is_held_until_a_push(model_di
         pool.set_provider(scheme)  # a push committed version 3
         assert pool.weight_version == "3"
         assert await start_again(pool, 1) is ReplicaState.READY, "the scheme brings it up"
-        assert pool._records[1].actor.version == "3"
+        assert pool.records.get(1).actor.version == "3"
 
         pool.set_provider(None)  # scheme.close()
         assert await start_again(pool, 1) is ReplicaState.HELD
         assert [v.replica_id for v in pool.ready()] == [0], "held: routed nowhere"
-        assert pool._records[1].actor.version == "0", "labelled as what it holds"
+        assert pool.records.get(1).actor.version == "0", "labelled as what it holds"
 
         # Every replica held and nothing starting: a request is refused at once.
-        pool._set_state(pool._records[0], ReplicaState.HELD)
+        pool.records.set_state(pool.records.get(0), ReplicaState.HELD)
         with pytest.raises(NoHealthyReplicaError, match="held"):
             await asyncio.wait_for(pool.wait_ready(), 1.0)
 
@@ -144,7 +144,7 @@ def test_once_no_replica_serves_the_live_version_the_checkpoint_is_live(model_di
         assert await start_again(pool, 1) is ReplicaState.HELD
         assert await start_again(pool, 0) is ReplicaState.READY, "nobody serves 3 any more"
         assert dict(pool.states()) == {0: ReplicaState.READY, 1: ReplicaState.READY}
-        assert pool.labels == WeightLabels.at_launch("0") and pool.weight_version == "0"
+        assert pool.admission.labels == WeightLabels.at_launch("0") and pool.weight_version == "0"
         assert {v.handle.version for v in pool.ready()} == {"0"}, "the labels hold"
 
     asyncio.run(run())
@@ -174,12 +174,22 @@ def test_mixed_versions_serve_under_the_checkpoints_label_when_allowed(model_dir
 def test_a_label_set_by_hand_follows_a_restart_only_over_the_checkpoint(model_dir):
     async def run():
         pool = pool_of(model_dir, 2)
-        pool.relabel("base")  # nothing pushed: the label names the checkpoint
+        pool.admission.relabel("base")  # nothing pushed: the label names the checkpoint
         assert await start_again(pool, 0) is ReplicaState.READY
-        assert pool._records[0].actor.version == "base"
+        assert pool.records.get(0).actor.version == "base"
         pool.set_provider(Provider("3"))
-        pool.relabel("7")  # over pushed weights: a restart cannot hold them
+        pool.admission.relabel("7")  # over pushed weights: a restart cannot hold them
         assert await start_again(pool, 0) is ReplicaState.HELD
-        assert pool._records[0].actor.version == "base"
+        assert pool.records.get(0).actor.version == "base"
+
+    asyncio.run(run())
+
+
+def test_closing_a_pool_of_stand_ins_forgets_them_without_stopping_them(model_dir):
+    async def run():
+        pool = pool_of(model_dir, 2)
+        await pool.close()  # a stand-in has no Ray actor to shut down or kill
+        assert pool.ready() == () and dict(pool.states()) == {}
+        assert pool.launcher.adopted == []
 
     asyncio.run(run())

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from torchrl_vllm_ext.engine.config import ServiceConfig
-from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
 from torchrl_vllm_ext.engine.fleet import ReplicaView
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.messages import ReplicaInfo
+from torchrl_vllm_ext.testing.stand_in_pool import StandInPool
 from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Prepared,
@@ -89,7 +89,7 @@ class Service:
 
     def __init__(self, model_dir, replicas):
         self.config = ServiceConfig(model=str(model_dir), engine_kwargs={"dtype": "float32"})
-        self.pool = ReplicaPool(ServiceConfig(model=str(model_dir)), "test")
+        self.pool = StandInPool(ServiceConfig(model=str(model_dir)), "test")
         for r in replicas:
             self.pool.adopt(view(r))
         self.replicas = {r.rid: r for r in replicas}
@@ -212,19 +212,21 @@ def test_a_replica_whose_probe_differs_fails_the_push_and_is_restarted(model_dir
     service, scheme = scheme_for(
         model_dir, [Replica(0), Replica(1, probe_offset=offset)], verify=True
     )
-    discarded = []
-    service.pool.discard = lambda view, error, what: discarded.append((view.replica_id, error))
+    restarted = []
+    service.pool.restart_untrusted = lambda view, error, what: restarted.append(
+        (view.replica_id, error)
+    )
     with pytest.raises(
         WeightSyncError, match=r"replica 1 .*probe sequence differ.*replicas \[0\] loaded it"
     ):
         scheme.push(Trainer(), version=5)
-    assert [rid for rid, _ in discarded] == [1]
+    assert [rid for rid, _ in restarted] == [1]
     assert scheme.transport_impl.events[-1] == ("commit", "5")  # replica 0 serves it, verified
 
 
 def test_a_push_whose_every_replica_fails_the_probe_rolls_back(model_dir):
     service, scheme = scheme_for(model_dir, [Replica(0, probe_offset=1.0)], verify=True)
-    service.pool.discard = lambda view, error, what: None
+    service.pool.restart_untrusted = lambda view, error, what: None
     with pytest.raises(WeightSyncError, match="probe sequence differ"):
         scheme.push(Trainer(), version=6)
     assert scheme.transport_impl.events[-1] == ("rollback", "6") and scheme.version is None
@@ -245,7 +247,7 @@ def test_a_16_bit_replica_is_judged_against_the_push_s_own_rounding_noise(model_
 def test_a_16_bit_replica_that_missed_weights_still_fails(model_dir):
     replicas = [Replica(0, dtype="bfloat16", probe_offset=0.5)]
     service, scheme = scheme_for(model_dir, replicas, verify=True)
-    service.pool.discard = lambda view, error, what: None
+    service.pool.restart_untrusted = lambda view, error, what: None
     with pytest.raises(WeightSyncError, match=r"by 0.49.* on average \(limit .*rounding noise"):
         scheme.push(Trainer(), version=6)
 

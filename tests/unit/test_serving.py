@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from torchrl_vllm_ext.engine.driver import cluster
-from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
+from torchrl_vllm_ext.engine.driver.launcher import ReplicaLauncher
 from torchrl_vllm_ext.engine.serving import ServingState, restart_steps, update_steps
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 
@@ -88,7 +88,7 @@ def test_a_restarted_replica_comes_back_in_the_services_state(state, steps):
 
 
 # ---------------------------------------------------------------------- start order
-# The pool's glue of engine/driver/start_order.py (its logic: tests/unit/test_start_order.py),
+# The launcher's glue of engine/driver/start_order.py (its logic: tests/unit/test_start_order.py),
 # over stand-ins of a replica actor's Ray methods.
 class _Method:
     """A Ray actor method's ``.remote(...)`` / ``.options(...).remote(...)``."""
@@ -137,26 +137,26 @@ class _Actor:
         self.events.append(("preload", self.name, None))
 
 
-def _pool(gpus: float, **engine) -> ReplicaPool:
+def _launcher(gpus: float, **engine) -> ReplicaLauncher:
     from torchrl_vllm_ext.engine.config import ServiceConfig
     from torchrl_vllm_ext.engine.driver.start_order import orders_starts
     from torchrl_vllm_ext.testing import make_tiny_model
 
-    pool = ReplicaPool(ServiceConfig(model=make_tiny_model(), engine_kwargs=engine), "svc")
-    pool._res = cluster.ReplicaResources(use_gpu=True, num_workers=1, cpus=1.0, gpus=gpus)
-    pool._orders_starts = orders_starts(
-        cluster.shares_gpus(pool._res), cluster.engine_kwargs(pool._res, pool.config)
+    launcher = ReplicaLauncher(ServiceConfig(model=make_tiny_model(), engine_kwargs=engine))
+    launcher._res = cluster.ReplicaResources(use_gpu=True, num_workers=1, cpus=1.0, gpus=gpus)
+    launcher._orders_starts = orders_starts(
+        cluster.shares_gpus(launcher._res), cluster.engine_kwargs(launcher._res, launcher.config)
     )
-    return pool
+    return launcher
 
 
-def _starts(pool: ReplicaPool, *specs) -> list[tuple]:
-    """Start each stand-in at once through the pool; the order of events."""
+def _starts(launcher: ReplicaLauncher, *specs) -> list[tuple]:
+    """Start each stand-in at once through the launcher; the order of events."""
 
     async def main():
         events: list[tuple] = []
         actors = [_Actor(events, i, **spec) for i, spec in enumerate(specs)]
-        done = await asyncio.gather(*(pool._start_engine(a, a.name) for a in actors))
+        done = await asyncio.gather(*(launcher.start_engine(a, a.name) for a in actors))
         assert done == list(range(len(specs)))
         return events
 
@@ -173,33 +173,33 @@ def _overlapping(events) -> bool:
 
 
 def test_replicas_sharing_a_gpu_start_pinned_once_the_first_logged_its_size():
-    pool = _pool(0.5)
-    events = _starts(pool, {}, {})
+    launcher = _launcher(0.5)
+    events = _starts(launcher, {}, {})
     assert events[0] == ("in", 0, None), "the first starts alone, sized by vLLM"
     assert ("preload", 1, None) in events, "the other imports vLLM meanwhile"
     second = events.index(("in", 1, 6 << 30))
     assert second < events.index(("out", 0, None)), "it starts before the first serves"
-    pin = pool.start_gates.order.pins[("n1", "0")]
+    pin = launcher.start_gates.order.pins[("n1", "0")]
     assert (pin.nbytes, pin.measured_by) == (6 << 30, 0)
-    assert "kv_cache_memory_bytes" not in pool.config.engine_kwargs
-    assert _starts(pool, {})[0] == ("in", 0, 6 << 30), "a restart reuses the size at once"
+    assert "kv_cache_memory_bytes" not in launcher.config.engine_kwargs
+    assert _starts(launcher, {})[0] == ("in", 0, 6 << 30), "a restart reuses the size at once"
 
 
 def test_replicas_on_different_gpus_or_nodes_profile_together():
-    events = _starts(_pool(0.5), {"devices": "0"}, {"devices": "1"}, {"node": "n2"})
+    events = _starts(_launcher(0.5), {"devices": "0"}, {"devices": "1"}, {"node": "n2"})
     assert _overlapping(events)
     assert all(kv is None for kind, _, kv in events if kind == "in")
 
 
 @pytest.mark.parametrize(("gpus", "engine"), [(1.0, {}), (0.5, {"kv_cache_memory_bytes": 4 << 30})])
 def test_whole_gpus_or_a_given_size_start_at_once(gpus, engine):
-    events = _starts(_pool(gpus, **engine), {}, {})
+    events = _starts(_launcher(gpus, **engine), {}, {})
     assert _overlapping(events)
     assert not any(kind == "preload" for kind, *_ in events)
 
 
 def test_without_a_logged_size_the_replicas_profile_one_after_another():
-    events = _starts(_pool(0.5), {"size": None}, {"size": None})
+    events = _starts(_launcher(0.5), {"size": None}, {"size": None})
     assert not _overlapping(events)
     assert [kv for kind, _, kv in events if kind == "in"] == [None, None]
 

@@ -42,13 +42,13 @@ def run(body, engine):
     async def main():
         inproc = InprocEngine.driving(engine, asyncio.get_running_loop())
         calls = []
-        original = inproc._call
+        original = inproc.thread.call
 
         async def counted(fn, *args):
             calls.append(fn)
             return await original(fn, *args)
 
-        inproc._call = counted
+        inproc.thread.call = counted
         try:
             return await asyncio.wait_for(body(inproc, calls), 30)
         finally:
@@ -113,7 +113,7 @@ def test_no_pause_mode_loads_without_pausing_or_resuming():
     async def body(inproc, calls):
         await inproc.update_call("load_staged_weights", ("9",), None, False)
         await inproc.finish_update("9", reset_cache=True, resume=False)
-        assert not inproc._paused
+        assert not inproc.thread.paused
 
     run(body, engine)
     assert engine.version == "9"

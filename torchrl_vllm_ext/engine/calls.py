@@ -112,9 +112,10 @@ async def call_one(view: Any, method: str, args: tuple, died: Died) -> Any:
 
 class ReplicaCalls:
     """The fan-out methods of a pool (the owner's and a handle's), over its
-    ``_ready`` replicas and its ``_died(view, error, what)`` death policy."""
+    ``ready()`` replicas and its ``_died(view, error, what)`` death policy."""
 
-    _ready: tuple
+    def ready(self) -> tuple:
+        raise NotImplementedError
 
     def _died(self, view: Any, error: BaseException, what: str) -> ReplicaDeadError:
         raise NotImplementedError
@@ -135,7 +136,7 @@ class ReplicaCalls:
         replica that has not answered counts as gone (``dead``): it is killed and
         restarted like a replica that died.
         """
-        targets = self._ready if replicas is None else replicas
+        targets = self.ready() if replicas is None else replicas
         return await call_each(targets, call, self._died, what, timeout, deadline)
 
     async def call_all(

@@ -108,14 +108,14 @@ class ReplicaFleet(Protocol):
 
 class PushFleet(ReplicaFleet, Protocol):
     """What a weight-sync scheme sees of the service's replicas: the transports' view, and
-    what a push needs besides: the live version, the replica it must discard (it serves
-    weights nobody pushed), a hook for when the service serves again (a deferred value
+    what a push needs besides: the live version, the restart of a replica it cannot trust
+    (it serves weights nobody pushed), a hook for when the service serves again (a deferred value
     check), and the provider that brings restarted replicas to the live weights."""
 
     weight_version: str
     provider: WeightsProvider | None
 
-    def discard(self, view: ReplicaView, error: BaseException, what: str) -> None: ...
+    def restart_untrusted(self, view: ReplicaView, error: BaseException, what: str) -> None: ...
 
     def when_serving(
         self, hook: Callable[[tuple[ReplicaView, ...]], Awaitable[Any]]

@@ -220,7 +220,9 @@ class ArrivalCheck:
             error = result.error(version)
             logger.error("%s", error)
             verdict.failed[rid] = error
-            self.fleet.discard(next(v for v in views if v.replica_id == rid), error, "verification")
+            self.fleet.restart_untrusted(
+                next(v for v in views if v.replica_id == rid), error, "verification"
+            )
         verdict.seconds = time.perf_counter() - t0
         return verdict
 

@@ -426,7 +426,7 @@ class WeightSyncScheme:
             for view in group:  # half-written weights: restarted, as a failed value check
                 cause = loaded.errors.get(view.replica_id)
                 if isinstance(cause, PartialLoadError):  # the pool logs it with the restart
-                    self.fleet.discard(view, cause, "partial load")
+                    self.fleet.restart_untrusted(view, cause, "partial load")
             verdict = await self.arrival.check(loaded, expected, version)
             return verdict.applied_to(loaded), verdict.seconds
 

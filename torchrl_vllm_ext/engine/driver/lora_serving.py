@@ -1,7 +1,9 @@
 """The LoRA adapters a :class:`~torchrl_vllm_ext.VLLMService` serves on every replica.
 
-A client of the :class:`~torchrl_vllm_ext.engine.driver.pool.ReplicaPool`: ``add`` /
-``add_tensors`` / ``remove`` over an :class:`~torchrl_vllm_ext.engine.adapters.AdapterRegistry`.
+A client of the :class:`~torchrl_vllm_ext.engine.driver.pool.ReplicaPool` and a part of the
+service, which exposes ``add_lora`` / ``add_lora_tensors`` / ``remove_lora`` under their
+names (owner-only: a handle forwards them), over an
+:class:`~torchrl_vllm_ext.engine.adapters.AdapterRegistry`.
 A replica on the driver's node loads an adapter from its directory; a replica on another
 node gets the directory's files through Ray's object store (one copy per adapter version),
 unless the adapter's directory is shared by every node. An adapter from memory (a
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -44,6 +47,8 @@ class LoraServing:
         adapters: the registry requests name adapters from.
         deadline: how long a replica may take to load an adapter (default
             :class:`~torchrl_vllm_ext.deadlines.Deadline`).
+        on_change: called after every add or removal, whether it succeeded or not (the
+            service publishes its live adapters to its handles).
 
     Examples:
         >>> from torchrl_vllm_ext.engine.config import ServiceConfig
@@ -55,9 +60,14 @@ class LoraServing:
     """
 
     def __init__(
-        self, pool: ReplicaPool, adapters: AdapterRegistry, deadline: Deadline | None = None
+        self,
+        pool: ReplicaPool,
+        adapters: AdapterRegistry,
+        deadline: Deadline | None = None,
+        on_change: Callable[[], None] = lambda: None,
     ):
         self._pool = pool
+        self._on_change = on_change
         self._adapters = adapters
         self._deadline = deadline or Deadline()
         # lora id -> its files (a directory's, for replicas on other nodes) or its packed
@@ -67,28 +77,50 @@ class LoraServing:
         # AdapterSync packed it: replicas on this node read it there)
         self._packed: dict[int, AdapterTensors] = {}
         self._unmapped: set[str] = set()  # replica processes that cannot map that memory
-        pool.before_traffic(self._load_live)
+        pool.admission.before_traffic(self._load_live)
 
-    async def add(self, name: str, path: str | Path, shared: bool) -> int:
-        """Load the adapter on every ready replica as ``name``; vLLM's id for it.
+    async def add_lora(self, name: str, path: str | Path, shared: bool = False) -> int:
+        """Load the PEFT LoRA adapter in ``path`` on every replica as ``name``; returns
+        vLLM's id for it. Re-adding a name loads the new files under a new id (requests
+        already running finish on the old one). Needs ``enable_lora=True`` at launch.
 
-        A replica that dies meanwhile gets it when it restarts; if a replica refuses it,
-        no replica keeps it and ``name`` serves what it served before.
+        Replicas on other nodes than this process get the files through Ray's object
+        store, unless ``shared`` says every node sees ``path`` (a shared file system).
+        A replica that dies meanwhile gets the adapter when it restarts; if a replica
+        refuses it, no replica keeps it and ``name`` serves what it served before.
         """
-        adapter, previous = self._adapters.add(name, path, shared)
-        return await self._add_everywhere(adapter, previous, _nbytes(Path(path)))
+        try:
+            adapter, previous = self._adapters.add(name, path, shared)
+            return await self._add_everywhere(adapter, previous, _nbytes(Path(path)))
+        finally:
+            self._on_change()
 
-    async def add_tensors(
+    async def add_lora_tensors(
         self,
         name: str,
         tensors: dict | AdapterTensors,
         config: dict | None = None,
-        version: str | None = None,
+        version: str | int | None = None,
     ) -> int:
-        """Load an adapter from memory (PEFT's saved names -> CPU tensors with its
-        ``LoraConfig`` as a dict, or both packed already) on every ready replica as
-        ``name``, as :meth:`add`. ``version``: each replica labels its weights so in the
-        same call, once it holds the adapter (the pool's label follows once all do)."""
+        """Load a LoRA adapter from memory on every replica as ``name``; returns vLLM's id
+        for it. ``tensors``: PEFT's saved names -> tensors (``get_peft_model_state_dict``),
+        ``config``: its ``LoraConfig`` as a dict; or both packed already
+        (:class:`~torchrl_vllm_ext.engine.adapters.AdapterTensors`, no ``config``). No
+        file is written: the tensors reach every replica, on any node, through Ray's
+        object store, and its workers build the adapter from them. ``version``: also
+        label every replica's weights ``version`` (as :meth:`set_weight_version`), each
+        in the same call as its load (the pool's label follows once all do). Otherwise as
+        :meth:`add_lora`.
+        """
+        try:
+            label = None if version is None else str(version)
+            return await self._add_tensors(name, tensors, config, label)
+        finally:
+            self._on_change()
+
+    async def _add_tensors(
+        self, name: str, tensors: dict | AdapterTensors, config: dict | None, version: str | None
+    ) -> int:
         if not isinstance(tensors, AdapterTensors):
             tensors = await asyncio.to_thread(pack_adapter, tensors, config)
         elif tensors.shared is not None and tensors.shared.pid != os.getpid():
@@ -123,14 +155,18 @@ class LoraServing:
                 self._adapters.remove(adapter.name)
             loads.check(f"add_lora({adapter.name!r})")
         if version is not None:
-            self._pool.relabel(str(version))
+            self._pool.admission.relabel(str(version))
         if previous is not None:
             await self._unload(previous)
         return adapter.lora_id
 
-    async def remove(self, name: str) -> None:
-        """Unload adapter ``name`` from every replica."""
-        await self._unload(self._adapters.remove(name))
+    async def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name`` from every replica (one from memory once the batches
+        already using it ended)."""
+        try:
+            await self._unload(self._adapters.remove(name))
+        finally:
+            self._on_change()
 
     def live(self) -> dict[str, int]:
         """Live adapters: name -> vLLM id."""
@@ -150,7 +186,7 @@ class LoraServing:
             packed = self._packed[adapter.lora_id]
             if (
                 packed.shared is not None
-                and replica.node == self._pool.driver_ip
+                and replica.node == self._pool.launcher.driver_ip
                 and replica.process not in self._unmapped
             ):  # the replica maps the driver's memory: only the header crosses Ray
                 call = replica.handle.add_lora_tensors.remote(
@@ -166,7 +202,7 @@ class LoraServing:
                 )
             packed = await self._shipped[adapter.lora_id]
             return await replica.handle.add_lora_tensors.remote(adapter, packed, version)
-        if adapter.shared or replica.node == self._pool.driver_ip:
+        if adapter.shared or replica.node == self._pool.launcher.driver_ip:
             return await replica.handle.add_lora.remote(adapter)
         if adapter.lora_id not in self._shipped:  # one read, one object per version
             self._shipped[adapter.lora_id] = asyncio.ensure_future(self._ship(adapter))

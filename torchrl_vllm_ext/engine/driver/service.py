@@ -2,13 +2,19 @@
 
 * :class:`~.pool.ReplicaPool`: the replicas' lifecycle, the ready snapshot, fan-out calls
   and the one death policy;
-* :class:`~.generation.Generation`: validate, route, send, retry, merge;
-* :class:`~.lora_serving.LoraServing`: the adapters on every replica.
+* :class:`~.generate_calls.GenerateCalls` over :class:`~.generation.Generation`: the
+  generate calls (validate, route, send, retry, merge) and the tokenizer;
+* :class:`~.lora_serving.LoraServing`: the adapters on every replica;
+* :class:`~.control.FleetView`, :class:`~.control.Control` and
+  :class:`~.torchrl_engine.TorchRLEngine`: snapshot readers, control calls, TorchRL's
+  engine calls.
 
-All of their state lives on one private event loop (:class:`~.loop.LoopThread`): the sync
-methods block on it and the ``a``-prefixed ones await it (both made from one coroutine,
-:func:`~torchrl_vllm_ext.engine.handles.owner.twins`). Readers of the ready snapshot (``replica_ids``, ``replica_info``,
-...) run on the caller's thread.
+The service's public methods are its parts' (:func:`~torchrl_vllm_ext.engine.handles.owner.delegate`,
+one line per part). All of their state lives on one private event loop
+(:class:`~.loop.LoopThread`): the sync methods block on it and the ``a``-prefixed ones
+await it (both made from one coroutine,
+:func:`~torchrl_vllm_ext.engine.handles.owner.delegate_sync_and_async`). Readers of the
+ready snapshot (``replica_ids``, ``replica_info``, ...) run on the caller's thread.
 
 The service pickles, as TorchRL's ``AsyncVLLM`` does: in another Ray process it is a
 handle to the same replicas (:mod:`~torchrl_vllm_ext.engine.handles.directory`, :class:`~torchrl_vllm_ext.engine.handles.pool.HandlePool`). A
@@ -22,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,8 +36,7 @@ import ray
 
 from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext._compat import vllm_engine_api
-from torchrl_vllm_ext.batches import RequestBatch
-from torchrl_vllm_ext.engine.adapters import AdapterRegistry, AdapterTensors
+from torchrl_vllm_ext.engine.adapters import AdapterRegistry
 from torchrl_vllm_ext.engine.config import ServiceConfig
 from torchrl_vllm_ext.engine.driver import cluster
 from torchrl_vllm_ext.engine.driver.control import (
@@ -41,11 +46,11 @@ from torchrl_vllm_ext.engine.driver.control import (
     Control,
     FleetView,
 )
+from torchrl_vllm_ext.engine.driver.generate_calls import GENERATE_CALLS, READERS, GenerateCalls
 from torchrl_vllm_ext.engine.driver.generation import Generation
 from torchrl_vllm_ext.engine.driver.loop import LoopThread
 from torchrl_vllm_ext.engine.driver.lora_serving import LoraServing
 from torchrl_vllm_ext.engine.driver.pool import ReplicaPool
-from torchrl_vllm_ext.engine.driver.prompt_forms import encode_texts, one_of, parse_prompts
 from torchrl_vllm_ext.engine.driver.torchrl_engine import (
     ENGINE_CALLS,
     OWNER_ENGINE_CALLS,
@@ -54,22 +59,18 @@ from torchrl_vllm_ext.engine.driver.torchrl_engine import (
     from_pretrained_kwargs,
     register_engine,
     register_engine_if_loaded,
-    request_outputs,
 )
-from torchrl_vllm_ext.engine.driver.torchrl_engine import lora_name as _lora_name
 from torchrl_vllm_ext.engine.fleet import WeightsProvider
 from torchrl_vllm_ext.engine.handles import links
 from torchrl_vllm_ext.engine.handles.owner import (
     add_deprecated_aliases,
     close_at_exit,
     delegate,
+    delegate_sync_and_async,
     owner_only,
-    twins,
 )
 from torchrl_vllm_ext.engine.handles.pool import HandlePool
 from torchrl_vllm_ext.errors import ConfigurationError, ServiceClosedError
-from torchrl_vllm_ext.hf import load_tokenizer
-from torchrl_vllm_ext.messages import RequestData
 
 T = TypeVar("T")
 
@@ -103,13 +104,17 @@ class VLLMService:
         self.pool = pool if pool is not None else ReplicaPool(config, self.name)
         """The replicas (what weight-sync transports are given)."""
         self._adapters = AdapterRegistry()
-        self._generation = Generation(self.pool, self._adapters, self.name)
-        self._lora = LoraServing(self.pool, self._adapters) if self.is_owner else None
+        generation = Generation(self.pool, self._adapters, self.name)
+        self._generate_calls = GenerateCalls(generation, config, self.name)
+        self._lora = (
+            LoraServing(self.pool, self._adapters, on_change=self._publish)
+            if self.is_owner
+            else None
+        )
         # The owner's OwnerLink (directory, mailbox, port) or a handle's HandleLink.
         self._link: links.OwnerLink | links.HandleLink | None = None
         self._owns_ray = False
         self._closed = False
-        self._tokenizer = None
         self._view = FleetView(self.pool)
         self._control = Control(self.pool, config, self.run)
         self._torchrl = TorchRLEngine(self)
@@ -166,7 +171,7 @@ class VLLMService:
                 config.ray_address, log_to_driver=config.log_file is None
             )
             svc._link = links.OwnerLink(svc.name, functools.partial(links.serve, svc))
-            svc.pool.on_publish(svc._publish)
+            svc.pool.records.on_publish(svc._publish)
             svc._loop.run(svc._launch())
         except BaseException:
             svc.shutdown()
@@ -181,7 +186,7 @@ class VLLMService:
         importing = asyncio.ensure_future(asyncio.to_thread(_driver_imports))
         await self.pool.start(self.config.num_replicas, "starting vLLM replicas")
         await importing
-        self.pool.start_health_checks()
+        self.pool.health.start()
 
     def follow(self, link, adapters) -> None:
         """A handle's set-up (``links.attach``): owner-only calls go through ``link``
@@ -199,7 +204,7 @@ class VLLMService:
         """At exit, when Ray was shut down first (its replicas were killed with it): mark
         the service closed and remove their temporary directories once they are gone."""
         self._closed = True
-        leftovers.reap_when_gone(self.pool.temp_dirs())
+        leftovers.reap_when_gone(self.pool.records.temp_dirs())
 
     @property
     def reserved_port(self) -> int:
@@ -275,171 +280,10 @@ class VLLMService:
         """Owner-only method ``name``, run by the owner (this is a handle)."""
         return self._link.forward(name, args, kwargs)
 
-    # ------------------------------------------------------------------ generation
-    async def _generate(
-        self,
-        prompts=None,
-        sampling_params=None,
-        *,
-        prompt_token_ids=None,
-        timeout: float | None = None,
-        routing: str | Sequence[str] | None = None,
-        lora: str | None = None,
-        lora_request=None,
-        tokenization_kwargs: dict | None = None,
-        use_tqdm: Any = None,
-    ) -> list:
-        """Generate, as ``vllm.LLM.generate`` does: vLLM ``RequestOutput``s in input order.
-
-        Args:
-            prompts: one prompt or a list of them, each a string, a list of token ids (or a
-                1-D array / tensor), a ``TokensPrompt`` or a ``TextPrompt`` dict; text is
-                tokenized with :meth:`get_tokenizer` (special tokens added, as vLLM does).
-            sampling_params: a ``vllm.SamplingParams``, a dict of its fields, or a list
-                with one per prompt. Sampled-token log-probs are always returned.
-            timeout: seconds; on expiry the requests are aborted inside vLLM and
-                :class:`~torchrl_vllm_ext.errors.GenerationTimeoutError` is raised.
-            routing: override the service's routing strategies for this batch.
-            lora: name of a LoRA adapter added with :meth:`add_lora` (None: base weights).
-            lora_request: vLLM's form of ``lora``: a ``LoRARequest`` whose ``lora_name``
-                was added with :meth:`add_lora`.
-            tokenization_kwargs: for the text prompts (e.g. ``{"add_special_tokens": False}``).
-            use_tqdm: accepted for ``vllm.LLM.generate`` callers; the service shows no bar.
-            prompt_token_ids: TorchRL's ``AsyncVLLM.generate`` keyword: token-id prompts
-                given by name (instead of ``prompts``).
-
-        ``svc.generate.remote(...)`` returns a Ray ``ObjectRef`` of the same list, so code
-        written for a Ray actor (TorchRL's ``vLLMWrapper``) takes the service.
-        """
-        encode = functools.partial(self._encode, tokenization_kwargs=tokenization_kwargs)
-        parsed = parse_prompts(one_of(prompts, prompt_token_ids), encode)
-        batch = await self._generation.run(
-            parsed.token_ids, sampling_params, timeout, routing, _lora_name(lora, lora_request)
-        )
-        return request_outputs(batch, parsed.texts, sampling_params, self.name)
-
-    generate, agenerate = twins(_generate)
-    generate = actor_style(generate)
-
-    async def _generate_request_data(
-        self, prompts, sampling_params=None, *, timeout=None, routing=None, lora=None
-    ) -> list[RequestData]:
-        """Like :meth:`generate` (every prompt form) but returns plain :class:`RequestData`
-        (numpy arrays)."""
-        parsed = parse_prompts(prompts, self._encode)
-        batch = await self._generation.run(
-            parsed.token_ids, sampling_params, timeout, routing, lora
-        )
-        return batch.unpack()
-
-    generate_request_data, agenerate_request_data = twins(_generate_request_data)
-
-    async def _generate_request_batch(
-        self,
-        prompt_token_ids,
-        sampling_params=None,
-        *,
-        timeout=None,
-        routing=None,
-        lora=None,
-        return_log_probs: bool = True,
-        seeds=None,
-    ) -> RequestBatch:
-        """Like :meth:`generate` but returns one :class:`RequestBatch` of flat arrays, in
-        input order: the fastest form, which ``VLLMPolicy`` converts to a TensorDict.
-        ``prompt_token_ids`` is a list of token-id sequences (no text: the hot path).
-
-        ``return_log_probs=False`` skips vLLM's sampled-token log-probs (NaN in the batch).
-        ``seeds``: one int per prompt (an int64 array), each seeding its prompt's sampling
-        (``sampling_params`` then hold no seed); it stays one array up to the replica.
-        """
-        return await self._generation.run(
-            prompt_token_ids, sampling_params, timeout, routing, lora, return_log_probs, seeds
-        )
-
-    generate_request_batch, agenerate_request_batch = twins(_generate_request_batch)
-
-    def _encode(self, texts: list[str], tokenization_kwargs=None) -> list[list[int]]:
-        # The tokenizer is loaded at the first text prompt, not for token prompts.
-        return encode_texts(self.get_tokenizer(), texts, tokenization_kwargs)
-
-    def get_tokenizer(self):
-        """The served model's tokenizer (``transformers.AutoTokenizer``, loaded once): what
-        TorchRL's ``vLLMWrapper`` and :class:`~torchrl_vllm_ext.VLLMPolicy` read by default."""
-        if self._tokenizer is None:
-            source = self.config.engine_kwargs.get("tokenizer") or self.config.model
-            self._tokenizer = load_tokenizer(source, "tokenizer")
-        return self._tokenizer
-
-    def remote(self, method: str, *args, **kwargs) -> ray.ObjectRef:
-        """Ray-actor style call: a Ray ``ObjectRef`` of ``getattr(svc, method)(*args, **kwargs)``
-        (run now, in this process). With ``generate.remote``, what makes the service pass
-        for a Ray actor where TorchRL expects one (``vLLMWrapper``)."""
-        return ray.put(getattr(self, method)(*args, **kwargs))
-
-    @actor_style
-    def collective_rpc(self, method: str, timeout=None, args: tuple = (), kwargs=None) -> None:
-        """Refused at once (:meth:`TorchRLEngine.collective_rpc
-        <torchrl_vllm_ext.engine.driver.torchrl_engine.TorchRLEngine.collective_rpc>`),
-        ``.remote(...)`` too: TorchRL's ``vLLMUpdater`` (V1) calls it before its NCCL
-        rendezvous, and gets the error naming ``vLLMUpdaterV2(service)`` instead of a
-        300-s timeout."""
-        self._torchrl.collective_rpc(method, timeout, args, kwargs)
-
-    @property
-    def routing(self) -> tuple[str, ...]:
-        """The routing strategies a batch uses unless it names others."""
-        return self._generation.routing
-
-    # ------------------------------------------------------------------ LoRA
-    async def _add_lora(self, name: str, path: str | Path, shared: bool = False) -> int:
-        """Load the PEFT LoRA adapter in ``path`` on every replica as ``name``; returns
-        vLLM's id for it. Re-adding a name loads the new files under a new id (requests
-        already running finish on the old one). Needs ``enable_lora=True`` at launch.
-
-        Replicas on other nodes than this process get the files through Ray's object
-        store, unless ``shared`` says every node sees ``path`` (a shared file system).
-        A replica that dies meanwhile gets the adapter when it restarts.
-        """
-        try:
-            return await self._lora.add(name, path, shared)
-        finally:
-            self._publish()
-
-    async def _add_lora_tensors(
-        self,
-        name: str,
-        tensors: dict | AdapterTensors,
-        config: dict | None = None,
-        version: str | int | None = None,
-    ) -> int:
-        """Load a LoRA adapter from memory on every replica as ``name``; returns vLLM's id
-        for it. ``tensors``: PEFT's saved names -> tensors (``get_peft_model_state_dict``),
-        ``config``: its ``LoraConfig`` as a dict; or both packed already
-        (:class:`~torchrl_vllm_ext.engine.adapters.AdapterTensors`, no ``config``). No
-        file is written: the tensors reach every replica, on any node, through Ray's
-        object store, and its workers build the adapter from them. ``version``: also
-        label every replica's weights ``version`` (as :meth:`set_weight_version`), each
-        in the same call as its load. Otherwise as :meth:`add_lora`.
-        """
-        label = None if version is None else str(version)
-        try:
-            return await self._lora.add_tensors(name, tensors, config, label)
-        finally:
-            self._publish()
-
-    async def _remove_lora(self, name: str) -> None:
-        """Unload adapter ``name`` from every replica (one from memory once the batches
-        already using it ended)."""
-        try:
-            await self._lora.remove(name)
-        finally:
-            self._publish()
-
-    add_lora, _ = twins(_add_lora, owner=True)
-    add_lora_tensors, _ = twins(_add_lora_tensors, owner=True)
-    remove_lora, aremove_lora = twins(_remove_lora, owner=True)
-
+    # ------------------------------------------------------------------ generation and LoRA
+    # GenerateCalls (generate, generate_request_data, generate_request_batch, the tokenizer)
+    # and LoraServing (add_lora, add_lora_tensors, remove_lora) are parts: their coroutines
+    # are the service's blocking methods and a-prefixed forms (see below).
     def list_loras(self) -> dict[str, int]:
         """Live adapters: name -> vLLM id."""
         return {a.name: a.lora_id for a in self._adapters.live()}
@@ -447,19 +291,6 @@ class VLLMService:
     # ------------------------------------------------------------------ replicas and control
     # FleetView (snapshot readers), Control (calls on every replica) and TorchRLEngine
     # (AsyncVLLM's engine calls) are parts: their methods are the service's (see below).
-    async def _set_weight_version(self, version: str | int) -> None:
-        """Label every ready replica's weights with ``version``.
-
-        The label replaces the weights provider's: a replica started afterwards gets the
-        label only while the live weights are the checkpoint's (nothing was pushed); over
-        pushed weights it holds the checkpoint, labelled as the checkpoint, and takes no
-        requests until the next push (``ServiceConfig.allow_mixed_versions``: it serves
-        under the checkpoint's label).
-        """
-        await self._control.label(version)
-
-    set_weight_version, aset_weight_version = twins(_set_weight_version, owner=True)
-
     def set_weights_provider(self, provider: WeightsProvider | None) -> None:
         """Make ``provider`` bring restarted replicas to the live weights (None: nobody).
 
@@ -472,10 +303,6 @@ class VLLMService:
             self.pool.set_provider(provider)
 
         self.run(provide())
-
-    @property
-    def weights_provider(self) -> WeightsProvider | None:
-        return self.pool.provider
 
     def _require_owner(self, what: str) -> None:
         if not self.is_owner:
@@ -513,8 +340,23 @@ class VLLMService:
 delegate(VLLMService, "_view", FleetView, FLEET_VIEW)
 delegate(VLLMService, "_control", Control, CONTROL)
 delegate(VLLMService, "_control", Control, OWNER_CONTROL, owner=True)
+delegate_sync_and_async(VLLMService, "_control", Control, ["set_weight_version"], owner=True)
+delegate(VLLMService, "_generate_calls", GenerateCalls, READERS)
+delegate_sync_and_async(VLLMService, "_generate_calls", GenerateCalls, GENERATE_CALLS)
+delegate_sync_and_async(
+    VLLMService,
+    "_lora",
+    LoraServing,
+    ["add_lora", "add_lora_tensors"],
+    owner=True,
+    async_forms=False,
+)
+delegate_sync_and_async(VLLMService, "_lora", LoraServing, ["remove_lora"], owner=True)
 delegate(VLLMService, "_torchrl", TorchRLEngine, ENGINE_CALLS)
 delegate(VLLMService, "_torchrl", TorchRLEngine, OWNER_ENGINE_CALLS, owner=True)
+# Ray-actor style (``.remote(...)``): what TorchRL's vLLMWrapper and vLLMUpdater call.
+VLLMService.generate = actor_style(VLLMService.generate)
+VLLMService.collective_rpc = actor_style(VLLMService.collective_rpc)
 add_deprecated_aliases(VLLMService)
 register_engine_if_loaded(VLLMService)
 

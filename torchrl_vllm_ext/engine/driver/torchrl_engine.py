@@ -171,6 +171,12 @@ class TorchRLEngine:
         From a handle, the tensors travel to the owner, which pushes."""
         self._updates().update(weights)
 
+    def remote(self, method: str, *args, **kwargs) -> ray.ObjectRef:
+        """Ray-actor style call: a Ray ``ObjectRef`` of ``getattr(svc, method)(*args, **kwargs)``
+        (run now, in this process). With ``generate.remote``, what makes the service pass
+        for a Ray actor where TorchRL expects one (``vLLMWrapper``)."""
+        return ray.put(getattr(self.service, method)(*args, **kwargs))
+
     def collective_rpc(
         self, method: str, timeout: float | None = None, args: tuple = (), kwargs=None
     ) -> None:
@@ -183,6 +189,7 @@ class TorchRLEngine:
         blocks in the NCCL rendezvous: raising here is what reaches that trainer in
         seconds (a replica's refusal would be read only after the rendezvous' 300-s store
         timeout). Any other worker call goes to a replica's actor (:attr:`actors`).
+        The service's form is :func:`actor_style`: ``.remote(...)`` is refused the same way.
         """
         refuse_v1_updater(method, f"service {self.service.name}")
         raise ConfigurationError(
@@ -207,7 +214,7 @@ class TorchRLEngine:
             self.updates.close()
 
 
-ENGINE_CALLS = ["engine_args", "get_tp_size"]
+ENGINE_CALLS = ["engine_args", "get_tp_size", "remote", "collective_rpc"]
 """The :class:`TorchRLEngine` calls any side runs."""
 OWNER_ENGINE_CALLS = [
     "get_model_metadata",

@@ -2,8 +2,9 @@
 that launched it) or a handle (the service pickled into another Ray process), and the
 methods written once for both of them.
 
-* :func:`twins`: one coroutine that runs on the service's event loop makes both the
-  blocking method and its ``a``-prefixed awaitable form.
+* :func:`sync_and_async`: one coroutine that runs on the service's event loop makes both the
+  blocking method and its ``a``-prefixed awaitable form; :func:`delegate_sync_and_async`
+  makes them of a part's coroutine methods.
 * :func:`owner_only`: the owner runs the method; a handle forwards the call to the owner
   through the service's directory and returns its answer (the owner pushes, pauses,
   adds replicas and adapters, and keeps the one weight version and death policy).
@@ -66,7 +67,35 @@ def _delegated(part_cls: type, part: str, name: str, owner: bool):
     return owner_only(method) if owner else method
 
 
-def twins(work: Callable, owner: bool = False) -> tuple[Callable, Callable]:
+def delegate_sync_and_async(
+    cls: type,
+    part: str,
+    part_cls: type,
+    names: list[str],
+    owner: bool = False,
+    async_forms: bool = True,
+) -> None:
+    """Give ``cls``, for each coroutine method ``name`` of its part ``self.<part>`` (an
+    instance of ``part_cls``), the blocking method ``name`` and (``async_forms``) its
+    ``a``-prefixed form, made by :func:`sync_and_async` of a one-line delegation: same
+    name, same docstring. With ``owner``, both are :func:`owner_only`."""
+    for name in names:
+        sync, async_ = sync_and_async(_part_coroutine(part_cls, part, name), owner)
+        setattr(cls, name, sync)
+        if async_forms:
+            setattr(cls, f"a{name}", async_)
+
+
+def _part_coroutine(part_cls: type, part: str, name: str) -> Callable:
+    target = getattr(part_cls, name)
+
+    async def work(self, *args, **kwargs):
+        return await getattr(getattr(self, part), name)(*args, **kwargs)
+
+    return functools.update_wrapper(work, target)
+
+
+def sync_and_async(work: Callable, owner: bool = False) -> tuple[Callable, Callable]:
     """``(sync, async)`` methods from ``work(self, ...)``, a coroutine function that runs
     on the service's event loop. With ``owner``, both are :func:`owner_only` (the async
     form forwards from a thread)."""
@@ -150,6 +179,7 @@ __all__ = [
     "add_deprecated_aliases",
     "close_at_exit",
     "delegate",
+    "delegate_sync_and_async",
     "owner_only",
-    "twins",
+    "sync_and_async",
 ]
