@@ -103,9 +103,10 @@ def storage_check(rank: int, state) -> dict:
 def gather_check(rank: int, state) -> dict:
     from torchrl_vllm_ext.testing.sharded import peak_anon_bytes
     from torchrl_vllm_ext.weight_sync.sharded.streamed import bucket_plan, gathered
+    from torchrl_vllm_ext.weight_sync.specs import TensorSpec
     from torchrl_vllm_ext.weight_sync.transports.packing import pack
 
-    specs = [[n, list(t.shape), "float32"] for n, t in state.items()]
+    specs = [TensorSpec(n, "float32", tuple(t.shape)) for n, t in state.items()]
     buckets = bucket_plan(specs, BUCKET_BYTES)
     expected = pack(model().state_dict(), "1", BUCKET_BYTES).buffers if rank == 0 else None
     equal = []
@@ -133,12 +134,13 @@ def two_d_mesh_gather(rank: int) -> bool:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from torchrl_vllm_ext.weight_sync.sharded.streamed import bucket_plan, gathered
+    from torchrl_vllm_ext.weight_sync.specs import TensorSpec
     from torchrl_vllm_ext.weight_sync.transports.packing import pack
 
     mesh = init_device_mesh("cpu", (2, 1))
     full = dict(list(model().state_dict().items())[-4:])  # two layers, the uneven one
     state = {n: distribute_tensor(t, mesh, [Shard(0), Replicate()]) for n, t in full.items()}
-    specs = [[n, list(t.shape), "float32"] for n, t in full.items()]
+    specs = [TensorSpec(n, "float32", tuple(t.shape)) for n, t in full.items()]
     buckets = bucket_plan(specs, BUCKET_BYTES)
     got = list(gathered(state, specs, buckets, keep=rank == 0))
     if rank != 0:
