@@ -132,10 +132,19 @@ class ShardedWeightSync:
         """Rank 0: the scheme's transport, as the capability the push goes through."""
         if scheme is not None:
             deadline = deadline or scheme.deadline
-            self.transport = sharded_route(scheme.transport_impl)
+            try:
+                self.transport = sharded_route(scheme.transport_impl)
+            except ConfigurationError as e:  # every rank raises it, naming the transport
+                self.rendezvous.fail("setup", e)
+                self.rendezvous.close()
+                raise
             setup = {"fixed_s": deadline.fixed_s, "rate": deadline.min_bytes_per_s}
             self.rendezvous.post("setup", setup)
-        setup = self.rendezvous.one("setup", 0, 600.0)
+        try:
+            setup = self.rendezvous.one("setup", 0, 600.0)
+        except BaseException:
+            self.rendezvous.close()
+            raise
         self.deadline = deadline or Deadline(setup["fixed_s"], setup["rate"])
         self.torchrl = TorchRLPushes(self.push, self._current)
         """TorchRL's collector (on rank 0) pushes through this: ``WeightSyncUpdater(sync)``."""
