@@ -34,10 +34,7 @@ import torch
 import torch.distributed as dist
 from devices import CPU_PUSH_SERVICE
 
-from torchrl_vllm_ext.weight_sync.sharded.routes import sharded_transports
-
-TRANSPORTS = sharded_transports()
-"""The transports a sharded push goes through (storage and broadcast on CPUs)."""
+from torchrl_vllm_ext.weight_sync.sharded.routes import SHARDED_TRANSPORTS as TRANSPORTS
 
 logger = logging.getLogger("bench_sharded")
 

@@ -14,9 +14,9 @@ from torchrl_vllm_ext.extensions import load_class
 from torchrl_vllm_ext.weight_sync.sharded.layout import assign, block, describe, region_of
 from torchrl_vllm_ext.weight_sync.sharded.plan import ShardedPlan
 from torchrl_vllm_ext.weight_sync.sharded.routes import (
+    SHARDED_TRANSPORTS,
     pushed_names,
     sharded_route,
-    sharded_transports,
 )
 from torchrl_vllm_ext.weight_sync.sharded.streamed import bucket_plan, header_of
 from torchrl_vllm_ext.weight_sync.specs import SlotTarget, TensorSpec, from_json, to_json
@@ -83,11 +83,11 @@ def test_pushed_names_check_the_served_checkpoint():
 
 
 def test_every_cpu_transport_takes_a_sharded_push_and_the_rest_is_refused_by_name():
-    assert sharded_transports() == registry.names(cpu=True, composite=False)
-    for name in sharded_transports():
+    assert SHARDED_TRANSPORTS == registry.names(cpu=True, composite=False)
+    for name in SHARDED_TRANSPORTS:
         sender = object.__new__(load_class(registry.TRANSPORTS[name].sender))
         assert sharded_route(sender) is sender  # its capability: itself, typed
-    for name in set(registry.names()) - set(sharded_transports()):
+    for name in set(registry.names()) - set(SHARDED_TRANSPORTS):
         sender = object.__new__(load_class(registry.TRANSPORTS[name].sender))
         with pytest.raises(TransportCapabilityError, match=f"transport {name!r}") as e:
             sharded_route(sender)

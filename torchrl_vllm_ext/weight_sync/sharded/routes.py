@@ -18,20 +18,13 @@ CAPABILITIES = (WrittenByRanks, Streamed)
 """What a transport must declare to take a sharded push: the ranks write its bytes in
 place (storage), or it sends buckets as the ranks gather them (broadcast)."""
 
-
-def sharded_transports() -> tuple[str, ...]:
-    """The registry's transports that take a sharded push (their senders declare one of
-    :data:`CAPABILITIES`).
-
-    Examples:
-        >>> sharded_transports()
-        ('storage', 'broadcast')
-    """
-    return tuple(
-        name
-        for name, info in registry.TRANSPORTS.items()
-        if issubclass(load_class(info.sender), CAPABILITIES)
-    )
+SHARDED_TRANSPORTS = tuple(
+    name
+    for name, info in registry.TRANSPORTS.items()
+    if issubclass(load_class(info.sender), CAPABILITIES)
+)
+"""The registry's transports that take a sharded push: those whose senders declare one of
+:data:`CAPABILITIES` (storage and broadcast)."""
 
 
 def sharded_route(transport: Transport) -> WrittenByRanks | Streamed:
@@ -44,7 +37,7 @@ def sharded_route(transport: Transport) -> WrittenByRanks | Streamed:
     own buckets), which a trainer whose buckets are gathered bucket by bucket does not
     have yet: refused by name.
     """
-    choices = " or ".join(f"transport={n!r}" for n in sharded_transports())
+    choices = " or ".join(f"transport={n!r}" for n in SHARDED_TRANSPORTS)
     return capability(
         transport,
         CAPABILITIES,
