@@ -60,6 +60,7 @@ _EXPORTS = {
             "ShardedPushError",
             "TorchRLVLLMError",
             "TrainerRankError",
+            "TransportCapabilityError",
             "UnknownRoutingStrategyError",
             "WeightSyncError",
         )

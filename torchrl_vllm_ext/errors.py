@@ -25,6 +25,20 @@ class ConfigurationError(TorchRLVLLMError, ValueError):
     """An argument of a constructor or launch call is invalid."""
 
 
+class TransportCapabilityError(ConfigurationError):
+    """A push needs a capability its transport does not declare (``transport``: its name;
+    ``capabilities``: those it would take, e.g. a sharded push's ``WrittenByRanks`` or
+    ``Streamed``)."""
+
+    def __init__(self, message: str, transport: str = "", capabilities: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.transport = transport
+        self.capabilities = tuple(capabilities)
+
+    def __reduce__(self):  # crosses processes with its fields
+        return (type(self), (str(self), self.transport, self.capabilities))
+
+
 class UnknownRoutingStrategyError(ConfigurationError):
     """A routing strategy name that the router does not know."""
 

@@ -1,5 +1,7 @@
 """Every method the protocol declares exists on the extension that offers it, with its
-declared parameters, and nothing else in the package names a worker method by string."""
+declared parameters, and nothing else in the package names a worker method by string;
+every capability a transport declares (written by many ranks, streamed), with its
+declared parameters."""
 
 import inspect
 import os
@@ -10,8 +12,15 @@ from unittest import mock
 import pytest
 
 import torchrl_vllm_ext
-from torchrl_vllm_ext.extensions import PACKED_WEIGHTS_ENV, ActorMethods, WorkerMethods
+from torchrl_vllm_ext.extensions import (
+    PACKED_WEIGHTS_ENV,
+    ActorMethods,
+    WorkerMethods,
+    load_class,
+)
 from torchrl_vllm_ext.weight_sync.actor import WeightSyncActorExtension
+from torchrl_vllm_ext.weight_sync.transports import registry
+from torchrl_vllm_ext.weight_sync.transports.protocol import Streamed, WrittenByRanks
 
 # Importing the worker extension switches vLLM-CPU's linear layout in this process (as it
 # does in a worker); the switch says no so the test process keeps vLLM's defaults.
@@ -79,3 +88,22 @@ def test_transports_name_worker_methods_only_through_the_protocol():
         if p.name != "extensions.py" and pattern.search(p.read_text())
     ]
     assert offenders == []
+
+
+@pytest.mark.parametrize("capability", [WrittenByRanks, Streamed])
+def test_declared_capabilities_exist_with_their_parameters(capability):
+    declaring = [
+        load_class(info.sender)
+        for info in registry.TRANSPORTS.values()
+        if issubclass(load_class(info.sender), capability)
+    ]
+    assert declaring, f"no transport declares {capability.__name__}"
+    for sender in declaring:
+        assert not sender.__abstractmethods__, sender
+        for member in sorted(capability.__abstractmethods__):
+            declared, implemented = getattr(capability, member), getattr(sender, member)
+            if isinstance(declared, property):
+                assert isinstance(implemented, property), (sender, member)
+                continue
+            params = list(inspect.signature(implemented).parameters)
+            assert params == list(inspect.signature(declared).parameters), (sender, member)

@@ -4,6 +4,7 @@ restarted replicas. The real transports run in tests/integration/test_weight_syn
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ from torchrl_vllm_ext.engine.fleet import ReplicaView
 from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
 from torchrl_vllm_ext.messages import ReplicaInfo
 from torchrl_vllm_ext.testing.stand_in_pool import StandInPool
+from torchrl_vllm_ext.weight_sync.delivery import Delivery
 from torchrl_vllm_ext.weight_sync.scheme import WeightSyncScheme
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Prepared,
@@ -23,7 +25,7 @@ from torchrl_vllm_ext.weight_sync.transports.protocol import (
     WorkerCall,
     calls_for,
 )
-from torchrl_vllm_ext.weight_sync.verify import model_logprobs
+from torchrl_vllm_ext.weight_sync.verify import TimedReference, model_logprobs, reference
 
 WEIGHTS = {"model.w": torch.ones(2, 2)}
 
@@ -204,6 +206,30 @@ def test_verification_by_value_passes_exact_replicas_and_records_the_gap(model_d
     report = scheme.push(Trainer(), version=4)
     assert report.probe_gap == {0: 0.0, 1: 0.0} and "reference" in report.phases
     assert scheme.version == "4"
+
+
+def test_a_push_made_ready_elsewhere_reports_its_steps_first_and_its_whole_time(model_dir):
+    # A sharded trainer's ranks: they agreed and scored the reference 2 s ago; the scheme
+    # transfers (publishes), loads and checks, and its report covers the whole push.
+    _service, scheme = scheme_for(model_dir, [Replica(0), Replica(1)], verify=True)
+    expected = reference(Trainer(), scheme.arrival.probe, "float32")
+    ranks = {"agree": 0.5, "reference": 0.25}
+    reached = []
+
+    async def prepare(ready):
+        reached.extend(r.replica_id for r in ready)
+        call = WorkerCall("load_it", ("9",))
+        return Prepared(calls_for(ready, call), phases={"publish": 0.125})
+
+    start = time.perf_counter() - 2.0
+    push = Delivery("9", 16, prepare, TimedReference(expected, 0.25), ranks, start)
+    report = asyncio.run(scheme.apush_prepared(push))
+    assert list(report.phases)[:3] == ["agree", "reference", "publish"]
+    assert report.phases["reference"] == 0.25 and {"apply", "verify"} <= set(report.phases)
+    assert report.seconds >= 2.0 and report.nbytes == 16
+    assert ranks == {"agree": 0.5, "reference": 0.25}, "the caller's phases are its own"
+    assert report.probe_gap == {0: 0.0, 1: 0.0} and reached == [0, 1]
+    assert scheme.last_report is report and scheme.version == "9"
 
 
 @pytest.mark.parametrize("offset", [0.5, float("nan")])

@@ -9,11 +9,17 @@ import random
 import pytest
 import torch
 
-from torchrl_vllm_ext.errors import ConfigurationError, ShardedPushError, WeightSyncError
+from torchrl_vllm_ext.errors import ShardedPushError, TransportCapabilityError, WeightSyncError
+from torchrl_vllm_ext.extensions import load_class
 from torchrl_vllm_ext.weight_sync.sharded.layout import assign, block, describe, region_of
-from torchrl_vllm_ext.weight_sync.sharded.routes import SHARDED_TRANSPORTS, pushed_names, route_for
+from torchrl_vllm_ext.weight_sync.sharded.plan import ShardedPlan
+from torchrl_vllm_ext.weight_sync.sharded.routes import (
+    SHARDED_TRANSPORTS,
+    pushed_names,
+    sharded_route,
+)
 from torchrl_vllm_ext.weight_sync.sharded.streamed import bucket_plan, header_of
-from torchrl_vllm_ext.weight_sync.specs import TensorSpec
+from torchrl_vllm_ext.weight_sync.specs import SlotTarget, TensorSpec, from_json, to_json
 from torchrl_vllm_ext.weight_sync.transports import registry
 
 
@@ -76,14 +82,18 @@ def test_pushed_names_check_the_served_checkpoint():
         pushed_names({**shapes, "a": ((2, 3), "int64")}, expected)
 
 
-def test_routes_are_storage_and_broadcast_and_the_rest_is_refused():
-    assert set(SHARDED_TRANSPORTS) == set(registry.names(cpu=True, composite=False))
-    for route in SHARDED_TRANSPORTS:
-        assert route_for(route, uses_gpu=True) == route
-    with pytest.raises(ConfigurationError, match="planned per replica on GPUs"):
-        route_for("auto", uses_gpu=True)
-    with pytest.raises(ConfigurationError, match="transport='storage'"):
-        route_for("ipc", uses_gpu=False)
+def test_every_cpu_transport_takes_a_sharded_push_and_the_rest_is_refused_by_name():
+    assert SHARDED_TRANSPORTS == registry.names(cpu=True, composite=False)
+    for name in SHARDED_TRANSPORTS:
+        sender = object.__new__(load_class(registry.TRANSPORTS[name].sender))
+        assert sharded_route(sender) is sender  # its capability: itself, typed
+    for name in set(registry.names()) - set(SHARDED_TRANSPORTS):
+        sender = object.__new__(load_class(registry.TRANSPORTS[name].sender))
+        with pytest.raises(TransportCapabilityError, match=f"transport {name!r}") as e:
+            sharded_route(sender)
+        assert e.value.transport == name
+        assert e.value.capabilities == ("WrittenByRanks", "Streamed")
+        assert "transport='storage'" in str(e.value)
 
 
 def test_checksums_are_shared_by_bytes():
@@ -96,13 +106,36 @@ def test_checksums_are_shared_by_bytes():
 
 
 def test_the_gather_buckets_follow_the_packing_layout():
-    specs = [["a", [4], "float32"], ["b", [2, 2], "bfloat16"], ["c", [8], "float32"]]
+    specs = (
+        TensorSpec("a", "float32", (4,)),
+        TensorSpec("b", "bfloat16", (2, 2)),
+        TensorSpec("c", "float32", (8,)),
+    )
     buckets = bucket_plan(specs, bucket_bytes=20)
-    assert buckets == [[0], [2], [1]]  # dtype groups in order; c (32 B) alone
+    assert buckets == ((0,), (2,), (1,))  # dtype groups in order; c (32 B) alone
     header = header_of(specs, buckets, "7")
     assert header.checksums_follow and header.version == "7"
     assert [b.nbytes for b in header.buckets] == [16, 32, 8]
     assert [t.name for b in header.buckets for t in b.tensors] == ["a", "c", "b"]
+
+
+def test_the_plan_crosses_the_ranks_as_json_and_names_its_route():
+    specs = (TensorSpec("a", "bfloat16", (2, 3)), TensorSpec("b", "bfloat16", (4,)))
+    written = ShardedPlan("5", specs, 40, (1, 2), "bfloat16", slot=SlotTarget("B", "/s/B"))
+    text = to_json(written)
+    assert from_json(text, ShardedPlan) == written and written.written
+    manifest = written.manifest({"a": 7, "b": 9})
+    assert (manifest.version, manifest.slot) == ("5", "B")
+    assert [(t.name, t.dtype, t.shape, t.checksum) for t in manifest.tensors] == [
+        ("a", "bfloat16", (2, 3), 7),
+        ("b", "bfloat16", (4,), 9),
+    ]
+    streamed = ShardedPlan("5", specs, 40, buckets=bucket_plan(specs, 1 << 20))
+    again = from_json(to_json(streamed), ShardedPlan)
+    assert again == streamed and not again.written and again.buckets == ((0, 1),)
+    assert again.header().buckets[0].nbytes == 20
+    with pytest.raises(ValueError, match="tensors"):
+        from_json('{"version": "5", "nbytes": 1}', ShardedPlan)
 
 
 def test_the_ranks_agree_on_one_layout_one_version_and_finite_shards():

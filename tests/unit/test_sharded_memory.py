@@ -6,7 +6,9 @@
   no rank's private memory grew by the whole model (rank 0 holds a bucket filling, one
   waiting and a parameter gathered; the others a parameter gathered at a time);
 - the rendezvous: a rank that never posts is named within the deadline, a rank's error is
-  every rank's.
+  every rank's;
+- a scheme whose transport takes no sharded push (``auto`` planned on GPUs): refused on
+  every rank at once, naming the transport.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def run_checks(rank: int, port: int) -> dict:
         # the gather first: its peak is not hidden in memory the storage check freed
         out = {"gather": gather_check(rank, state), "storage": storage_check(rank, state)}
         out["rendezvous"] = rendezvous_check(rank)
+        out["refused"] = refusal_check(rank)
         return out
     finally:
         dist.destroy_process_group()
@@ -103,9 +106,10 @@ def storage_check(rank: int, state) -> dict:
 def gather_check(rank: int, state) -> dict:
     from torchrl_vllm_ext.testing.sharded import peak_anon_bytes
     from torchrl_vllm_ext.weight_sync.sharded.streamed import bucket_plan, gathered
+    from torchrl_vllm_ext.weight_sync.specs import TensorSpec
     from torchrl_vllm_ext.weight_sync.transports.packing import pack
 
-    specs = [[n, list(t.shape), "float32"] for n, t in state.items()]
+    specs = [TensorSpec(n, "float32", tuple(t.shape)) for n, t in state.items()]
     buckets = bucket_plan(specs, BUCKET_BYTES)
     expected = pack(model().state_dict(), "1", BUCKET_BYTES).buffers if rank == 0 else None
     equal = []
@@ -133,12 +137,13 @@ def two_d_mesh_gather(rank: int) -> bool:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from torchrl_vllm_ext.weight_sync.sharded.streamed import bucket_plan, gathered
+    from torchrl_vllm_ext.weight_sync.specs import TensorSpec
     from torchrl_vllm_ext.weight_sync.transports.packing import pack
 
     mesh = init_device_mesh("cpu", (2, 1))
     full = dict(list(model().state_dict().items())[-4:])  # two layers, the uneven one
     state = {n: distribute_tensor(t, mesh, [Shard(0), Replicate()]) for n, t in full.items()}
-    specs = [[n, list(t.shape), "float32"] for n, t in full.items()]
+    specs = [TensorSpec(n, "float32", tuple(t.shape)) for n, t in full.items()]
     buckets = bucket_plan(specs, BUCKET_BYTES)
     got = list(gathered(state, specs, buckets, keep=rank == 0))
     if rank != 0:
@@ -170,6 +175,26 @@ def rendezvous_check(rank: int) -> dict:
             out["absent"] = (e.ranks, str(e))
     rv.close()  # rank 0 waits for rank 1 before its store goes
     return out
+
+
+def refusal_check(rank: int) -> dict:
+    import time
+    from types import SimpleNamespace
+
+    from torchrl_vllm_ext import ShardedWeightSync
+    from torchrl_vllm_ext.deadlines import Deadline
+    from torchrl_vllm_ext.errors import TorchRLVLLMError
+    from torchrl_vllm_ext.weight_sync.transports.auto.sender import PlannedTransport
+
+    # rank 0's scheme, as far as the constructor reads it: `auto` planned per GPU replica
+    planned = object.__new__(PlannedTransport)
+    scheme = SimpleNamespace(deadline=Deadline(), transport_impl=planned)
+    t0 = time.monotonic()
+    try:
+        ShardedWeightSync(scheme if rank == 0 else None)
+    except TorchRLVLLMError as e:
+        return {"error": type(e).__name__, "message": str(e), "s": time.monotonic() - t0}
+    return {"error": None}
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +232,15 @@ def test_the_streamed_gather_holds_about_two_buckets(ranks):
     for rank, out in ranks.items():
         # seen: 8-17 MB (rank 0), 12-25 MB (rank 1: gloo's threads' malloc arenas) of 67
         assert out["gather"]["peak"] < full_bytes() * 0.6, (rank, out["gather"]["peak"])
+
+
+def test_a_transport_without_a_sharded_capability_is_refused_on_every_rank_at_once(ranks):
+    leader, follower = ranks[0]["refused"], ranks[1]["refused"]
+    assert leader["error"] == "TransportCapabilityError", leader
+    assert "'auto' (PlannedTransport)" in leader["message"]
+    assert follower["error"] == "ShardedPushError", follower
+    assert "rank 0: TransportCapabilityError" in follower["message"]
+    assert leader["s"] < 30 and follower["s"] < 30  # not the setup step's 600 s
 
 
 def test_the_rendezvous_names_absent_and_failed_ranks(ranks):

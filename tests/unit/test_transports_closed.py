@@ -123,3 +123,41 @@ def test_the_worker_object_holds_every_registered_receiver():
     built = WorkerWeightSync(Worker())
     held = {type(v) for v in vars(built).values()}
     assert {load_class(t.receiver) for t in registry.TRANSPORTS.values()} <= held
+
+
+SHARDED_DIR = ROOT / "torchrl_vllm_ext" / "weight_sync" / "sharded"
+TRANSPORT_HOLDERS = {"transport", "transport_impl"}
+"""What the sharded push calls the transport it holds (``scheme.transport_impl``, or the
+capability it looked up: ``transport``)."""
+
+
+def declared_by_the_protocol() -> set[str]:
+    """The public members of the protocol and its capabilities (not what a transport
+    happens to hold: ``options``, ``fleet``, a storage writer)."""
+    from torchrl_vllm_ext.weight_sync.transports.protocol import Streamed, WrittenByRanks
+
+    classes = (Transport, WrittenByRanks, Streamed)
+    members = {n for cls in classes for n in [*vars(cls), *cls.__annotations__]}
+    return {n for n in members if not n.startswith("_")}
+
+
+def reached_outside_the_protocol(root: Path, declared: set[str]) -> list[str]:
+    """Each ``<transport>.<name>`` read under ``root`` whose name the protocol does not
+    declare, as ``path:line holder.name``."""
+    out = []
+    for path in sources(root):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            holder = node.value
+            held = getattr(holder, "id", None) or getattr(holder, "attr", None)
+            if held in TRANSPORT_HOLDERS and node.attr not in declared:
+                out.append(f"{path.relative_to(root.parent)}:{node.lineno} {held}.{node.attr}")
+    return out
+
+
+def test_the_sharded_push_reaches_its_transport_only_through_declared_capabilities():
+    declared = declared_by_the_protocol()
+    assert {"reserve_written", "prepare_written", "bucket_bytes", "prepare_streamed"} <= declared
+    outside = reached_outside_the_protocol(SHARDED_DIR, declared)
+    assert not outside, "the sharded push reaches past the protocol:\n" + "\n".join(outside)

@@ -23,6 +23,7 @@ from torchrl_vllm_ext.weight_sync.verify import (
     ProbeResult,
     Reference,
     ReferenceModel,
+    TimedReference,
     mean_gap,
     plain_causal_lm,
     probe_ids,
@@ -152,14 +153,15 @@ class ArrivalCheck:
         return not (self.mode == "never" or (self.mode == "first" and self.verified_pushes))
 
     def start_reference(self, weights, tensors, replicas: Replicas) -> asyncio.Future | None:
-        """The trainer's :class:`Reference` for the probe and the seconds it took,
-        computed in a thread while the bytes move (``weights``: the module that may score
-        them itself, else None); None when this push is not checked."""
+        """The trainer's :class:`Reference` for the probe and the seconds it took (a
+        :class:`TimedReference`), computed in a thread while the bytes move (``weights``:
+        the module that may score them itself, else None); None when this push is not
+        checked."""
         if not self.due():
             return None
         dtype = self.served_dtype_name(replicas)
 
-        def run() -> tuple[Reference, float]:
+        def run() -> TimedReference:
             t0 = time.perf_counter()
             if plain_causal_lm(weights):
                 out = reference(weights, self._probe, dtype)
@@ -169,7 +171,7 @@ class ArrivalCheck:
                         self.config.model, self.names.checkpoint_writers
                     )
                 out = self._reference_model.reference(tensors, self._probe, dtype)
-            return out, time.perf_counter() - t0
+            return TimedReference(out, time.perf_counter() - t0)
 
         return asyncio.ensure_future(asyncio.to_thread(run))
 

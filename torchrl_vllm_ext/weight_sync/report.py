@@ -29,7 +29,9 @@ class SyncReport:
     validate, pack, send (workers
     receive and verify while generating), apply, load. Both, on a verified push:
     reference (the trainer's probe log-probs, beside prepare), verify (every replica's
-    probe, after its pause)."""
+    probe, after its pause). A sharded push: its ranks' steps first (agree, reference:
+    their collective forward, ranks_write: storage), then the scheme's (publish or send,
+    stage, apply, ...)."""
     probe_gap: dict[int, float] = field(default_factory=dict)
     """Per replica: mean |replica - trainer (float32)| log-prob over the probe (empty: not
     verified)."""

@@ -41,6 +41,7 @@ from torchrl_vllm_ext.engine.serving import check_pause_mode
 from torchrl_vllm_ext.errors import ConfigurationError, PartialLoadError, WeightSyncError
 from torchrl_vllm_ext.weight_sync.arrival import ArrivalCheck
 from torchrl_vllm_ext.weight_sync.checkpoint_names import CheckpointNames
+from torchrl_vllm_ext.weight_sync.delivery import Delivery
 from torchrl_vllm_ext.weight_sync.params import expected_specs, torch_dtype, validate
 from torchrl_vllm_ext.weight_sync.report import SyncReport
 from torchrl_vllm_ext.weight_sync.sources import PushSource, full_push_source
@@ -53,7 +54,7 @@ from torchrl_vllm_ext.weight_sync.transport_choice import choose_transport, delt
 from torchrl_vllm_ext.weight_sync.transports import registry
 from torchrl_vllm_ext.weight_sync.transports.packing import DEFAULT_BUCKET_BYTES
 from torchrl_vllm_ext.weight_sync.transports.protocol import Replicas, TransportOptions
-from torchrl_vllm_ext.weight_sync.verify import Reference
+from torchrl_vllm_ext.weight_sync.verify import TimedReference
 
 logger = logging.getLogger(__name__)
 
@@ -259,68 +260,56 @@ class WeightSyncScheme:
 
         tensors = await asyncio.to_thread(validated)  # 1) validate
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        phases = {"validate": time.perf_counter() - start}
+        validate_s = time.perf_counter() - start
         ready = list(self.fleet.ready())
-        reference = arrival.start_reference(source.scorer, tensors, ready)
+        push = Delivery(
+            version,
+            nbytes,
+            lambda replicas: transport.prepare(tensors, version, replicas),
+            arrival.start_reference(source.scorer, tensors, ready),
+            {"validate": validate_s},
+            start,
+        )
+        return await self._deliver(push, ready)
 
-        def prepare():
-            return transport.prepare(tensors, version, ready)
-
-        return await self._deliver(version, nbytes, ready, prepare, reference, phases, start)
-
-    async def apush_prepared(
-        self,
-        version: str | int,
-        nbytes: int,
-        prepare,
-        expected: Reference | None,
-        reference_s: float = 0.0,
-    ) -> SyncReport:
+    async def apush_prepared(self, push: Delivery) -> SyncReport:
         """A push whose bytes were made ready elsewhere (a sharded trainer's ranks,
-        :mod:`.sharded`): ``prepare(ready)`` is the transfer step (-> ``Prepared``),
-        ``expected`` the value check's reference the ranks computed in ``reference_s``
-        seconds (None: unchecked);
-        then the same pause, check, commit and report as :meth:`apush`."""
+        :mod:`.sharded`): ``push.prepare(ready)`` is its transfer step, ``push.reference``
+        the value check's reference the ranks computed (None: unchecked); then the same
+        pause, check, commit and report as :meth:`apush`, the report counting from
+        ``push.start`` with ``push.phases`` (the ranks' steps) first."""
         async with self._lock:
             self.arrival.supersede()
-            start = time.perf_counter()
-            ready = list(self.fleet.ready())
-            reference = None
-            if expected is not None:
-                reference = asyncio.get_running_loop().create_future()
-                reference.set_result((expected, reference_s))
-            report = await self._deliver(
-                str(version), nbytes, ready, lambda: prepare(ready), reference, {}, start
-            )
+            report = await self._deliver(push, list(self.fleet.ready()))
         self.last_report = report
         return report
 
-    async def _deliver(
-        self, version: str, nbytes: int, ready: Replicas, prepare, reference, phases, start
-    ) -> SyncReport:
-        """2) to 5) of a push (see the module docstring)."""
+    async def _deliver(self, push: Delivery, ready: Replicas) -> SyncReport:
+        """2) to 5) of ``push`` to the ``ready`` replicas (see the module docstring)."""
         transport = self.transport_impl
         arrival = self.arrival
+        version, nbytes = push.version, push.nbytes
         self._nbytes = nbytes  # what a restarted replica loads (its bring-up deadline)
         try:
-            prepared = await prepare()  # 2) transfer
+            prepared = await push.prepare(ready)  # 2) transfer
         except BaseException:
-            if reference is not None:
-                await asyncio.gather(reference, return_exceptions=True)
+            await push.drop_reference()
             raise
-        phases.update(prepared.phases)
         replicas = prepared.reached(ready)
         if not replicas:
-            if reference is not None:
-                await asyncio.gather(reference, return_exceptions=True)
+            await push.drop_reference()
             await transport.rollback(version)
             raise WeightSyncError(
                 f"every replica died while version {version} was sent; nothing serves it. "
                 "The service restarts them at the previous version; push again."
             )
-        expected = await self._reference_or_rollback(reference, version, phases)
+        timed = await self._reference_or_rollback(push, version)
+        expected = timed.reference if timed is not None else None
         t_apply = time.perf_counter()
         loads, verify_s = await self._apply(replicas, prepared.calls, version, nbytes, expected)
+        phases = {**push.phases, **prepared.phases}
+        if timed is not None:
+            phases["reference"] = timed.seconds
         phases["apply"] = time.perf_counter() - t_apply  # 3) + 4)
         if expected is not None:
             phases["verify"] = verify_s
@@ -343,7 +332,7 @@ class WeightSyncScheme:
             version,
             transport.label,
             nbytes,
-            time.perf_counter() - start,
+            time.perf_counter() - push.start,
             pauses,
             phases,
             gaps,
@@ -363,16 +352,11 @@ class WeightSyncScheme:
             tensors = self.names.to_checkpoint(tensors, source.module)
         return tensors
 
-    async def _reference_or_rollback(
-        self, reference, version: str, phases: dict
-    ) -> Reference | None:
+    async def _reference_or_rollback(self, push: Delivery, version: str) -> TimedReference | None:
         """The trainer's probe log-probs, awaited before any replica loads: a model the
         check cannot run fails the push while every replica still serves its weights."""
-        if reference is None:
-            return None
         try:
-            expected, phases["reference"] = await reference
-            return expected
+            return await push.taken_reference()
         except Exception as e:
             await self.transport_impl.rollback(version)
             raise WeightSyncError(

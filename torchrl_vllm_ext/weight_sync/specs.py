@@ -3,7 +3,8 @@
 The one module of wire formats every transport shares: a packed update is one
 :class:`UpdateHeader` (buckets of :class:`TensorSpec`s; broadcast sends it to every worker,
 CUDA IPC wraps it with a handle per bucket in an :class:`IpcUpdate`); a storage slot is
-published with a :class:`SlotManifest`. All cross processes as JSON, encoded and decoded
+published with a :class:`SlotManifest` (a slot other processes write: a :class:`SlotTarget`
+first). All cross processes as JSON, encoded and decoded
 (with type checks) by :func:`to_json` and :func:`from_json`.
 """
 
@@ -90,6 +91,17 @@ class SlotManifest:
 
 
 @dataclass(frozen=True)
+class SlotTarget:
+    """A storage slot reserved for writers in other processes (a sharded trainer's ranks):
+    allocated, not published."""
+
+    slot: str
+    """Slot directory name ("A" or "B"): the manifest that publishes it names it."""
+    path: str
+    """The slot's directory, which each writer maps (``slots.open_slot``)."""
+
+
+@dataclass(frozen=True)
 class CudaIpcHandle:
     """A CUDA allocation shared with another process on the same GPU: the fields of torch's
     ``reduce_tensor`` for a 1-D uint8 tensor, as plain data (bytes as base64), and the
@@ -152,6 +164,7 @@ __all__ = [
     "CudaIpcHandle",
     "IpcUpdate",
     "SlotManifest",
+    "SlotTarget",
     "TensorSpec",
     "UpdateHeader",
     "from_json",

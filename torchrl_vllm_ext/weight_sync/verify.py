@@ -138,6 +138,14 @@ class Reference:
         return max(TOLERANCE, NOISE_MARGIN * self.noise)
 
 
+@dataclass(frozen=True)
+class TimedReference:
+    """A push's :class:`Reference` and the seconds the trainer took to compute it."""
+
+    reference: Reference
+    seconds: float
+
+
 def reference(model: nn.Module, ids: list[int], dtype: str) -> Reference:
     """Score ``ids`` with ``model`` in float32 and, for 16-bit replicas, in ``dtype``."""
     exact = model_logprobs(model, ids, torch.float32)

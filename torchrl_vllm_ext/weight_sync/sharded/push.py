@@ -8,16 +8,20 @@ same :class:`~torchrl_vllm_ext.errors.ShardedPushError`. No rank gathers the mod
 1. ``layout``: each rank posts its parameters' names, shapes and dtypes, the version it was
    given, and the first non-finite parameter of its shards; every rank checks them alike
    (ranks that disagree are named before anything is written);
-2. ``plan`` (rank 0): the names checked against the served checkpoint, the version (the
-   one given, else TorchRL's next), whether the value check runs, and for storage the idle
-   slot, allocated in its file;
+2. ``plan`` (rank 0): a :class:`~.plan.ShardedPlan`: the names checked against the
+   served checkpoint, the version (the one given, else TorchRL's next), whether the value
+   check runs, and the transport's part: a slot reserved for the ranks to write
+   (:class:`~..transports.protocol.WrittenByRanks`: storage) or the buckets to gather
+   (:class:`~..transports.protocol.Streamed`: broadcast);
 3. storage: every rank writes its blocks straight into the slot (``wrote``), then
    checksums the whole tensors it is given, balanced by bytes (``sums``); broadcast: the
    ranks gather bucket by bucket in lockstep and rank 0 sends each bucket as it completes
    (:mod:`.streamed`);
 4. the value check's reference, when due: a collective forward on every rank;
-5. rank 0 publishes the slot and runs the scheme's pause, load, check and commit
-   (``WeightSyncScheme.apush_prepared``), then posts the ``result`` every rank returns.
+5. rank 0 hands the scheme a :class:`~..delivery.Delivery` of what the ranks did (the
+   slot to publish, or the buckets to stream; the reference; their steps' seconds) and it
+   runs the pause, load, check and commit (``WeightSyncScheme.apush_prepared``); rank 0
+   then posts the ``result`` every rank returns.
 
 Each step waits at most its deadline for every rank (:mod:`.rendezvous`): a rank that died
 or never called the push is named, and nothing is published, so the replicas keep the last
@@ -26,11 +30,12 @@ version, as with a writer killed mid-write.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
-import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,24 +43,40 @@ from torch import nn
 
 from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.errors import ConfigurationError, ShardedPushError, WeightSyncError
-from torchrl_vllm_ext.weight_sync.params import require_finite, torch_dtype
+from torchrl_vllm_ext.weight_sync.delivery import Delivery
+from torchrl_vllm_ext.weight_sync.params import require_finite
 from torchrl_vllm_ext.weight_sync.report import SyncReport
 from torchrl_vllm_ext.weight_sync.sharded.layout import assign, part_of
+from torchrl_vllm_ext.weight_sync.sharded.plan import ShardedPlan, make_plan
 from torchrl_vllm_ext.weight_sync.sharded.rendezvous import Rendezvous
-from torchrl_vllm_ext.weight_sync.sharded.routes import pushed_names, sharded_route
+from torchrl_vllm_ext.weight_sync.sharded.routes import sharded_route
 from torchrl_vllm_ext.weight_sync.sharded.storage import SlotBlocks
-from torchrl_vllm_ext.weight_sync.sharded.streamed import (
-    Handoff,
-    bucket_plan,
-    gathered,
-    header_of,
-)
+from torchrl_vllm_ext.weight_sync.sharded.streamed import Handoff, gathered, nbytes_of
 from torchrl_vllm_ext.weight_sync.sources import unwrap
-from torchrl_vllm_ext.weight_sync.specs import SlotManifest, TensorSpec, from_json, to_json
+from torchrl_vllm_ext.weight_sync.specs import from_json, to_json
 from torchrl_vllm_ext.weight_sync.torchrl.pushes import TorchRLPushes
-from torchrl_vllm_ext.weight_sync.verify import collective_reference
+from torchrl_vllm_ext.weight_sync.transports.protocol import Streamed, WrittenByRanks
+from torchrl_vllm_ext.weight_sync.verify import TimedReference, collective_reference
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RanksDone:
+    """What every rank did before rank 0 has the scheme deliver (steps 1 to 4)."""
+
+    phases: dict[str, float]
+    """Seconds of each step (``agree``, ``reference``, ``ranks_write``)."""
+    start: float
+    """When rank 0's push began (``time.perf_counter``)."""
+    reference: TimedReference | None
+    """The value check's reference, from the collective forward (None: unchecked)."""
+    sums: dict[str, int] | None
+    """Written: every tensor's checksum in the slot (None: streamed)."""
+
+    def delivery(self, plan: ShardedPlan, prepare) -> Delivery:
+        """The scheme's :class:`~..delivery.Delivery` of ``plan`` by ``prepare``."""
+        return Delivery(plan.version, plan.nbytes, prepare, self.reference, self.phases, self.start)
 
 
 class ShardedWeightSync:
@@ -107,14 +128,23 @@ class ShardedWeightSync:
         self.version: str | None = None
         """The version the last push made live (the same on every rank)."""
         self.last_report: SyncReport | None = None
-        setup = None
+        self.transport: WrittenByRanks | Streamed | None = None
+        """Rank 0: the scheme's transport, as the capability the push goes through."""
         if scheme is not None:
             deadline = deadline or scheme.deadline
-            route = sharded_route(scheme)
-            setup = {"route": route, "fixed_s": deadline.fixed_s, "rate": deadline.min_bytes_per_s}
+            try:
+                self.transport = sharded_route(scheme.transport_impl)
+            except ConfigurationError as e:  # every rank raises it, naming the transport
+                self.rendezvous.fail("setup", e)
+                self.rendezvous.close()
+                raise
+            setup = {"fixed_s": deadline.fixed_s, "rate": deadline.min_bytes_per_s}
             self.rendezvous.post("setup", setup)
-        setup = self.rendezvous.one("setup", 0, 600.0)
-        self.route: str = setup["route"]
+        try:
+            setup = self.rendezvous.one("setup", 0, 600.0)
+        except BaseException:
+            self.rendezvous.close()
+            raise
         self.deadline = deadline or Deadline(setup["fixed_s"], setup["rate"])
         self.torchrl = TorchRLPushes(self.push, self._current)
         """TorchRL's collector (on rank 0) pushes through this: ``WeightSyncUpdater(sync)``."""
@@ -134,24 +164,27 @@ class ShardedWeightSync:
         start = time.perf_counter()
         parts, module, given, state = self._layout(weights, version)
         plan = self._plan(parts, module, given)
-        parts = [pl for pl in parts if pl[0].name in plan["names"]]
-        deadline = self.deadline.for_bytes(plan["nbytes"])
+        pushed = set(plan.names)
+        parts = [pl for pl in parts if pl[0].name in pushed]
+        deadline = self.deadline.for_bytes(plan.nbytes)
         phases = {"agree": time.perf_counter() - start}
-        expected = None
-        if plan["reference"] is not None:
+        reference = None
+        if plan.reference_dtype is not None:
             t0 = time.perf_counter()
             expected = self._step(
                 "reference",
                 deadline,
-                lambda: collective_reference(module, plan["probe"], plan["reference"]),
+                lambda: collective_reference(module, list(plan.probe), plan.reference_dtype),
             )
-            phases["reference"] = time.perf_counter() - t0
+            reference = TimedReference(expected, time.perf_counter() - t0)
+            phases["reference"] = reference.seconds
         sums = None
-        if self.route == "storage":
+        if plan.written:
             t0 = time.perf_counter()
             sums = self._write(parts, plan, deadline)
             phases["ranks_write"] = time.perf_counter() - t0
-        report = self._deliver(plan, sums, (expected, phases, start), deadline, state)
+        done = RanksDone(phases, start, reference, sums)
+        report = self._deliver(plan, done, deadline, state)
         self.version, self.last_report = report.version, report
         logger.info(
             "sharded push of version %s from %d ranks: %.3fs",
@@ -201,65 +234,28 @@ class ShardedWeightSync:
         given = agree(rv.gather("layout", self.deadline.fixed_s))
         return parts, module, given, state
 
-    def _plan(self, parts, module, given: str | None) -> dict:
+    def _plan(self, parts, module, given: str | None) -> ShardedPlan:
         """2) rank 0 decides; every rank reads its decision."""
         rv = self.rendezvous
         if self.rank == 0:
             try:
-                plan = self._make_plan(parts, module, given)
+                shapes = {p.name: (p.shape, p.dtype) for p, _ in parts}
+                version = given if given is not None else self.torchrl.next_version()
+                plan = make_plan(self.scheme, self.transport, shapes, module is not None, version)
             except Exception as e:
                 rv.fail("plan", e)
             else:
-                rv.post("plan", plan)
-        return rv.one("plan", 0, self.deadline.fixed_s)
+                rv.post("plan", to_json(plan))
+        return from_json(rv.one("plan", 0, self.deadline.fixed_s), ShardedPlan)
 
-    def _make_plan(self, parts, module, given: str | None) -> dict:
-        scheme = self.scheme
-        shapes = {p.name: (p.shape, p.dtype) for p, _ in parts}
-        names = pushed_names(shapes, scheme.expected)
-        version = given if given is not None else self.torchrl.next_version()
-        ready = list(scheme.fleet.ready())
-        reference = None
-        if scheme.arrival.due():
-            if module is None:
-                raise WeightSyncError(
-                    "the value check needs the sharded model (a collective forward on every "
-                    "rank): push the model, not a state dict, or create the scheme with "
-                    "verify='never'."
-                )
-            reference = scheme.arrival.served_dtype_name(ready)
-        nbytes = sum(torch_dtype(shapes[n][1]).itemsize * math.prod(shapes[n][0]) for n in names)
-        # The scheme's slots hold its served dtype when delta pushes are on (its 1-process
-        # pushes write them so): the ranks' blocks are cast as they are written.
-        stored = scheme.delta_dtype if self.route == "storage" else None
-        plan = {
-            "version": version,
-            "names": names,
-            "nbytes": nbytes,
-            "reference": reference,
-            "probe": scheme.arrival.probe,
-            "specs": [[n, list(shapes[n][0]), stored or shapes[n][1]] for n in names],
-        }
-        if self.route == "broadcast":
-            bucket_bytes = scheme.transport_impl.options.bucket_bytes
-            plan["buckets"] = bucket_plan(plan["specs"], bucket_bytes)
-        else:
-            writer = scheme.transport_impl.writer
-            layout = tuple((n, tuple(s), torch_dtype(d)) for n, s, d in plan["specs"])
-            plan["slot"], path = writer.idle(layout)
-            plan["path"] = str(path)
-        return plan
-
-    def _write(self, parts, plan: dict, deadline: float) -> dict[str, int] | None:
+    def _write(self, parts, plan: ShardedPlan, deadline: float) -> dict[str, int]:
         """3) storage: every rank's blocks into the slot, then the checksums of the whole
         tensors, each rank its share by bytes; every tensor's checksum."""
-        names = plan["names"]
-        path = plan["path"]
+        path = plan.slot.path
         self._step("wrote", deadline, lambda: self.blocks.write(path, self.rank, parts))
         # the full tensors' bytes (the same on every rank, unlike its blocks')
-        sizes = {n: math.prod(s) * torch_dtype(d).itemsize for n, s, d in plan["specs"]}
-        owners = assign([sizes[n] for n in names], self.world)
-        mine = [n for n, owner in zip(names, owners, strict=True) if owner == self.rank]
+        owners = assign([nbytes_of(t) for t in plan.tensors], self.world)
+        mine = [n for n, owner in zip(plan.names, owners, strict=True) if owner == self.rank]
         rv = self.rendezvous
         try:
             rv.post(
@@ -272,20 +268,20 @@ class ShardedWeightSync:
             sums.update({k: int(v) for k, v in posted.items()})
         return sums
 
-    def _deliver(self, plan: dict, sums, reference, deadline: float, state) -> SyncReport:
-        """5) rank 0 publishes (or streams) and has the scheme pause, load, check and
-        commit; every rank returns its report (or raises its error)."""
+    def _deliver(self, plan: ShardedPlan, done: RanksDone, deadline: float, state) -> SyncReport:
+        """5) rank 0 has the scheme publish (or stream), pause, load, check and commit;
+        every rank returns its report (or raises its error)."""
         rv = self.rendezvous
         if self.rank == 0:
             try:
-                report = self._leader_push(plan, sums, reference, state)
+                report = self._leader_push(plan, done, state)
             except Exception as e:
                 rv.fail("result", e)
             else:
                 rv.post("result", to_json(report))
-        elif self.route == "broadcast":
+        elif not plan.written:
             try:  # the gathers rank 0 sends from, in lockstep
-                for _ in gathered(state, plan["specs"], plan["buckets"], False, self.group):
+                for _ in gathered(state, plan.tensors, plan.buckets, False, self.group):
                     pass
             except Exception as e:  # rank 0's push fails too: its gathers stop
                 logger.error("rank %d: the streamed gather failed: %s", self.rank, e)
@@ -293,41 +289,23 @@ class ShardedWeightSync:
         posted = rv.one("result", 0, 3 * deadline)
         return from_json(posted, SyncReport)
 
-    def _leader_push(self, plan: dict, sums, reference, state) -> SyncReport:
+    def _leader_push(self, plan: ShardedPlan, done: RanksDone, state) -> SyncReport:
         """Rank 0's step 5: the scheme's push of what the ranks wrote (or stream); its
         report covers the whole sharded push (``seconds`` from the ranks' first step,
         their steps first in ``phases``)."""
-        expected, phases, start = reference
-        report = self._scheme_push(plan, sums, expected, phases.get("reference", 0.0), state)
-        report.phases = {**phases, **report.phases}
-        report.seconds = time.perf_counter() - start
-        return report
-
-    def _scheme_push(self, plan: dict, sums, expected, reference_s: float, state) -> SyncReport:
-        scheme = self.scheme
-        transport = scheme.transport_impl
-        version = plan["version"]
-        if self.route == "storage":
-            specs = tuple(TensorSpec(n, d, tuple(s), sums[n]) for n, s, d in plan["specs"])
-            manifest = SlotManifest(version=version, slot=plan["slot"], tensors=specs)
-
-            def prepare(ready):
-                return transport.prepare_written(manifest, ready)
-
-            return scheme.service.run(
-                scheme.apush_prepared(version, plan["nbytes"], prepare, expected, reference_s)
-            )
-        header = header_of(plan["specs"], plan["buckets"], version)
+        scheme, transport = self.scheme, self.transport
+        if plan.written:
+            prepare = functools.partial(transport.prepare_written, plan.manifest(done.sums))
+            return scheme.service.run(scheme.apush_prepared(done.delivery(plan, prepare)))
         handoff = Handoff()
+        header = plan.header()
 
         def stream(ready):
             return transport.prepare_streamed(header, handoff.taken(), ready)
 
-        push = scheme.service.submit(
-            scheme.apush_prepared(version, plan["nbytes"], stream, expected, reference_s)
-        )
+        push = scheme.service.submit(scheme.apush_prepared(done.delivery(plan, stream)))
         try:
-            buckets = gathered(state, plan["specs"], plan["buckets"], True, self.group)
+            buckets = gathered(state, plan.tensors, plan.buckets, True, self.group)
             handoff.feed(buckets, push.done)
         except Exception as e:
             logger.error("rank 0: the streamed gather failed: %s", e)

@@ -1,43 +1,49 @@
-"""What a sharded push sends and by which route, as plain functions of the scheme's state."""
+"""What a sharded push sends and through which capability of the scheme's transport, as
+plain functions of the scheme's state."""
 
 from __future__ import annotations
 
-from torchrl_vllm_ext.errors import ConfigurationError, WeightSyncError
+from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.extensions import load_class
 from torchrl_vllm_ext.weight_sync.specs import TensorSpec
 from torchrl_vllm_ext.weight_sync.transports import registry
+from torchrl_vllm_ext.weight_sync.transports.protocol import (
+    Streamed,
+    Transport,
+    WrittenByRanks,
+    capability,
+)
 
-SHARDED_TRANSPORTS = registry.names(cpu=True, composite=False)
-"""The transports a sharded push writes (storage) or streams (broadcast) into: those
-that run on CPUs too and are not composed of others."""
+CAPABILITIES = (WrittenByRanks, Streamed)
+"""What a transport must declare to take a sharded push: the ranks write its bytes in
+place (storage), or it sends buckets as the ranks gather them (broadcast)."""
+
+SHARDED_TRANSPORTS = tuple(
+    name
+    for name, info in registry.TRANSPORTS.items()
+    if issubclass(load_class(info.sender), CAPABILITIES)
+)
+"""The registry's transports that take a sharded push: those whose senders declare one of
+:data:`CAPABILITIES` (storage and broadcast)."""
 
 
-def route_for(transport: str, uses_gpu: bool) -> str:
-    """The route of a sharded push over a scheme whose transport is ``transport``.
+def sharded_route(transport: Transport) -> WrittenByRanks | Streamed:
+    """``transport`` as the capability a sharded push goes through (written by the ranks
+    first); a :class:`~torchrl_vllm_ext.errors.TransportCapabilityError` naming it when it
+    declares neither.
 
     ``auto`` on CPU replicas has already picked storage or broadcast (the scheme's choice
     stands); on GPU replicas it plans per replica at each push (CUDA IPC of the trainer's
     own buckets), which a trainer whose buckets are gathered bucket by bucket does not
-    have yet: the sharded push refuses it by name.
-
-    Examples:
-        >>> route_for("storage", True), route_for("broadcast", False)
-        ('storage', 'broadcast')
+    have yet: refused by name.
     """
-    if transport in SHARDED_TRANSPORTS:
-        return transport
-    planned = (
-        " (planned per replica on GPUs)" if uses_gpu and transport not in SHARDED_TRANSPORTS else ""
+    choices = " or ".join(f"transport={n!r}" for n in SHARDED_TRANSPORTS)
+    return capability(
+        transport,
+        CAPABILITIES,
+        "a sharded push (its ranks write a slot, or stream buckets, themselves)",
+        f"Create the scheme on rank 0 with {choices} (storage: one host, or a shared storage_dir).",
     )
-    raise ConfigurationError(
-        f"a sharded push writes a storage slot or streams a broadcast; the scheme's "
-        f"transport is {transport!r}{planned}. Create the scheme on rank 0 with "
-        "transport='storage' (one host, or a shared storage_dir) or transport='broadcast'."
-    )
-
-
-def sharded_route(scheme) -> str:
-    """:func:`route_for` the scheme's transport."""
-    return route_for(scheme.transport_impl.name, scheme.fleet.uses_gpu)
 
 
 def pushed_names(

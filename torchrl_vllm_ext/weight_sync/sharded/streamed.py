@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -29,36 +29,34 @@ HANDOFF_POLL_S = 0.1
 """How often rank 0's gather looks whether the push it feeds has ended early."""
 
 
-def bucket_plan(specs: list[list], bucket_bytes: int) -> list[list[int]]:
-    """The buckets of a push of ``specs`` ([name, shape, dtype] in push order), as indices
-    into ``specs``: the same on every rank, and the layout of :mod:`...packing`."""
-    items = [(dtype, _nbytes(shape, dtype)) for _, shape, dtype in specs]
-    return bucket_groups(items, bucket_bytes)
+def bucket_plan(specs: Sequence[TensorSpec], bucket_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """The buckets of a push of ``specs`` (in push order), as indices into ``specs``: the
+    same on every rank, and the layout of :mod:`...packing`."""
+    groups = bucket_groups([(s.dtype, nbytes_of(s)) for s in specs], bucket_bytes)
+    return tuple(tuple(g) for g in groups)
 
 
-def header_of(specs: list[list], buckets: list[list[int]], version: str) -> UpdateHeader:
+def header_of(
+    specs: Sequence[TensorSpec], buckets: Sequence[Sequence[int]], version: str
+) -> UpdateHeader:
     """The broadcast header of those buckets, their checksums to follow them."""
     out = []
     for indices in buckets:
-        tensors = tuple(TensorSpec(specs[i][0], specs[i][2], tuple(specs[i][1])) for i in indices)
-        nbytes = sum(_nbytes(specs[i][1], specs[i][2]) for i in indices)
-        out.append(
-            BucketSpec(dtype=specs[indices[0]][2], tensors=tensors, nbytes=nbytes, checksum=0)
-        )
+        tensors = tuple(specs[i] for i in indices)
+        nbytes = sum(nbytes_of(t) for t in tensors)
+        out.append(BucketSpec(dtype=tensors[0].dtype, tensors=tensors, nbytes=nbytes, checksum=0))
     return UpdateHeader(version=version, buckets=tuple(out), checksums_follow=True)
 
 
-def _nbytes(shape, dtype: str) -> int:
-    n = torch_dtype(dtype).itemsize
-    for d in shape:
-        n *= d
-    return n
+def nbytes_of(spec: TensorSpec) -> int:
+    """Bytes of the whole tensor ``spec`` describes."""
+    return torch_dtype(spec.dtype).itemsize * math.prod(spec.shape)
 
 
 def gathered(
     state: dict[str, torch.Tensor],
-    specs: list[list],
-    buckets: list[list[int]],
+    specs: Sequence[TensorSpec],
+    buckets: Sequence[Sequence[int]],
     keep: bool,
     group=None,
 ) -> Iterator[torch.Tensor | None]:
@@ -71,13 +69,14 @@ def gathered(
     (:func:`.layout.region_of`); any other layout, one ``full_tensor()`` per parameter.
     """
     for indices in buckets:
-        names = [specs[i][0] for i in indices]
+        tensors = [specs[i] for i in indices]
+        names = [t.name for t in tensors]
         device = state[names[0]].device  # a GPU trainer's buckets stay on its GPU
         mesh_group = _one_mesh_group(state, names, group)
         if mesh_group is not None:
-            yield _gather_bucket(state, [specs[i] for i in indices], mesh_group, keep, device)
+            yield _gather_bucket(state, tensors, mesh_group, keep, device)
         else:
-            yield _full_tensors(state, [specs[i] for i in indices], keep, device)
+            yield _full_tensors(state, tensors, keep, device)
 
 
 def _one_mesh_group(state, names: list[str], group):
@@ -103,21 +102,23 @@ def _one_mesh_group(state, names: list[str], group):
     return mesh_group if dist.get_process_group_ranks(mesh_group) == push_ranks else None
 
 
-def _gather_bucket(state, specs: list[list], group, keep: bool, device) -> torch.Tensor | None:
+def _gather_bucket(
+    state, specs: list[TensorSpec], group, keep: bool, device
+) -> torch.Tensor | None:
     """One bucket in one gather to rank 0 (see :func:`gathered`)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     world, me = dist.get_world_size(group), dist.get_rank(group)
     sent = []  # (spec index, rank, region, bytes): each block, in the order its rank sends
-    for k, (name, shape, dtype) in enumerate(specs):
-        tensor = state[name]
+    for k, spec in enumerate(specs):
+        tensor = state[spec.name]
         if not isinstance(tensor, DTensor):
             continue  # replicated everywhere: rank 0's own
-        placements = tuple(describe(name, p) for p in tensor.placements)
+        placements = tuple(describe(spec.name, p) for p in tensor.placements)
         for r in range(world):
-            region, writes = region_of(tuple(shape), placements, (world,), (r,))
-            nbytes = math.prod(n for _, n in region) * torch_dtype(dtype).itemsize
+            region, writes = region_of(tuple(spec.shape), placements, (world,), (r,))
+            nbytes = math.prod(n for _, n in region) * torch_dtype(spec.dtype).itemsize
             if writes and nbytes:
                 sent.append((k, r, region, nbytes))
     width = max((sum(b[3] for b in sent if b[1] == r) for r in range(world)), default=0)
@@ -125,7 +126,7 @@ def _gather_bucket(state, specs: list[list], group, keep: bool, device) -> torch
     offset = 0
     for k, r, _, nbytes in sent:
         if r == me:
-            local = state[specs[k][0]].to_local().contiguous()
+            local = state[specs[k].name].to_local().contiguous()
             payload[offset : offset + nbytes].copy_(local.view(-1).view(torch.uint8))
             offset += nbytes
     received = [torch.empty_like(payload) for _ in range(world)] if keep else None
@@ -133,9 +134,9 @@ def _gather_bucket(state, specs: list[list], group, keep: bool, device) -> torch
     if not keep:
         return None
     bucket, views = _bucket_views(specs, device)
-    for (name, _, _), view in zip(specs, views, strict=True):
-        if not isinstance(state[name], DTensor):
-            view.copy_(state[name].detach())
+    for spec, view in zip(specs, views, strict=True):
+        if not isinstance(state[spec.name], DTensor):
+            view.copy_(state[spec.name].detach())
     offsets = [0] * world
     for k, r, region, nbytes in sent:
         lengths = tuple(n for _, n in region)
@@ -145,13 +146,13 @@ def _gather_bucket(state, specs: list[list], group, keep: bool, device) -> torch
     return bucket
 
 
-def _full_tensors(state, specs: list[list], keep: bool, device) -> torch.Tensor | None:
+def _full_tensors(state, specs: list[TensorSpec], keep: bool, device) -> torch.Tensor | None:
     """One bucket, one ``full_tensor()`` (an all-gather) per parameter."""
     from torch.distributed.tensor import DTensor
 
     bucket, views = _bucket_views(specs, device) if keep else (None, None)
-    for k, (name, _, _) in enumerate(specs):
-        tensor = state[name]
+    for k, spec in enumerate(specs):
+        tensor = state[spec.name]
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if keep:
             views[k].copy_(full.detach())
@@ -159,14 +160,14 @@ def _full_tensors(state, specs: list[list], keep: bool, device) -> torch.Tensor 
     return bucket
 
 
-def _bucket_views(specs: list[list], device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _bucket_views(specs: list[TensorSpec], device) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """A new bucket for ``specs`` and each tensor's view into it (packing's layout)."""
-    nbytes = sum(_nbytes(shape, dtype) for _, shape, dtype in specs)
-    bucket = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    bucket = torch.empty(sum(nbytes_of(s) for s in specs), dtype=torch.uint8, device=device)
     views, offset = [], 0
-    for _, shape, dtype in specs:
-        size = _nbytes(shape, dtype)
-        views.append(bucket[offset : offset + size].view(torch_dtype(dtype)).view(tuple(shape)))
+    for spec in specs:
+        size = nbytes_of(spec)
+        view = bucket[offset : offset + size].view(torch_dtype(spec.dtype))
+        views.append(view.view(tuple(spec.shape)))
         offset += size
     return bucket, views
 

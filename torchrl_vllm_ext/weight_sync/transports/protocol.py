@@ -12,6 +12,13 @@ that ``auto`` packed once for several routes hands each transport the same
 :class:`~.packing.Packed` buckets. Everything runs on the service's event loop; blocking
 work goes to a thread.
 
+Two capabilities a transport may declare beside it, for a push whose bytes the trainer's
+ranks make ready themselves (:mod:`~torchrl_vllm_ext.weight_sync.sharded`):
+:class:`WrittenByRanks` (storage: a slot reserved for a layout, which the ranks write,
+then published from a manifest their checksums fill) and :class:`Streamed` (broadcast:
+buckets sent as the ranks gather them); :func:`capability` looks one up, naming the
+transport that lacks it.
+
 Which transports exist, and their worker and actor parts: :mod:`.registry`; what the
 senders wait for on the replicas: :mod:`.waits`.
 """
@@ -19,6 +26,7 @@ senders wait for on the replicas: :mod:`.waits`.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -28,7 +36,8 @@ import torch
 from torchrl_vllm_ext.deadlines import Deadline
 from torchrl_vllm_ext.engine.calls import Outcomes
 from torchrl_vllm_ext.engine.fleet import ReplicaFleet, ReplicaView
-from torchrl_vllm_ext.errors import WeightSyncError
+from torchrl_vllm_ext.errors import TransportCapabilityError, WeightSyncError
+from torchrl_vllm_ext.weight_sync.specs import SlotManifest, SlotTarget, TensorSpec, UpdateHeader
 from torchrl_vllm_ext.weight_sync.transports.packing import DEFAULT_BUCKET_BYTES, Packed
 
 Replicas = list[ReplicaView]
@@ -203,6 +212,73 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release what the transport holds (groups, mappings, buckets)."""
         return None
+
+
+class WrittenByRanks(abc.ABC):
+    """A capability of a :class:`Transport`: a push whose bytes other processes write in
+    place (a sharded trainer's ranks, each its own blocks), then this transport delivers.
+
+    Storage: :meth:`reserve_written` allocates the idle slot for the layout (the replicas
+    keep reading the published one); the ranks write and checksum it; then
+    :meth:`prepare_written` publishes it and runs the rest of ``prepare``.
+    """
+
+    @abc.abstractmethod
+    def reserve_written(self, layout: tuple[TensorSpec, ...]) -> SlotTarget:
+        """Where the writers put a push of ``layout`` (full shapes, the dtypes stored),
+        allocated and not published. Blocking (it allocates the slot's files)."""
+
+    @abc.abstractmethod
+    async def prepare_written(self, manifest: SlotManifest, replicas: Replicas) -> Prepared:
+        """:meth:`Transport.prepare` of what the writers wrote into the target
+        (``manifest``: its version, slot, and every tensor with its checksum)."""
+
+
+class Streamed(abc.ABC):
+    """A capability of a :class:`Transport`: a push whose buckets come one at a time, each
+    sent as it comes (a sharded trainer's ranks gather them bucket by bucket)."""
+
+    @property
+    @abc.abstractmethod
+    def bucket_bytes(self) -> int:
+        """The size the buckets are cut to (:func:`.packing.bucket_groups`'s layout)."""
+
+    @abc.abstractmethod
+    async def prepare_streamed(
+        self, header: UpdateHeader, buckets: Iterable[torch.Tensor], replicas: Replicas
+    ) -> Prepared:
+        """:meth:`Transport.prepare` of ``buckets`` as they come (``header``: their layout;
+        ``header.checksums_follow``: their checksums are computed as they are sent). No
+        copy stays: a restarted replica waits for the next push."""
+
+
+def capability(
+    transport: Transport, kinds: tuple[type, ...], needed_by: str, fix: str = ""
+) -> WrittenByRanks | Streamed:
+    """``transport`` as the first of the capabilities ``kinds`` it declares
+    (:class:`WrittenByRanks`, :class:`Streamed`); else a
+    :class:`~torchrl_vllm_ext.errors.TransportCapabilityError` naming the transport, what
+    ``needed_by`` it, and the ``fix``.
+
+    Examples:
+        >>> from torchrl_vllm_ext.weight_sync.transports.auto.sender import PlannedTransport
+        >>> planned = object.__new__(PlannedTransport)  # no fleet needed to ask
+        >>> capability(planned, (WrittenByRanks, Streamed), "a sharded push")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        torchrl_vllm_ext.errors.TransportCapabilityError: a sharded push needs a transport ...
+    """
+    for kind in kinds:
+        if isinstance(transport, kind):
+            return transport
+    wanted = " or ".join(k.__name__ for k in kinds)
+    raise TransportCapabilityError(
+        f"{needed_by} needs a transport that is {wanted}; the scheme's transport "
+        f"{transport.name!r} ({type(transport).__name__}) is not."
+        f"{' ' + fix if fix else ''}",
+        transport.name,
+        tuple(k.__name__ for k in kinds),
+    )
 
 
 def calls_for(replicas: Replicas, call: WorkerCall) -> dict[int, WorkerCall]:

@@ -49,6 +49,7 @@ from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Outcomes,
     Prepared,
     Replicas,
+    Streamed,
     Transport,
     TransportOptions,
     WorkerCall,
@@ -84,8 +85,9 @@ class GroupMembers:
         return cls(tuple(r.process for r in replicas), timeout_s)
 
 
-class BroadcastTransport(Transport):
-    """Weights as packed buckets broadcast from the trainer (rank 0) to every worker.
+class BroadcastTransport(Transport, Streamed):
+    """Weights as packed buckets broadcast from the trainer (rank 0) to every worker; or
+    buckets sent as they come (:class:`~..protocol.Streamed`).
 
     Args:
         fleet: the replicas pushed to (a service's ``pool``).
@@ -225,6 +227,10 @@ class BroadcastTransport(Transport):
                 return None
         header = UpdateHeader(packed.version, tuple(specs), base=base.version, deltas=tuple(deltas))
         return header, payloads
+
+    @property
+    def bucket_bytes(self) -> int:
+        return self.options.bucket_bytes
 
     async def prepare_streamed(
         self, header: UpdateHeader, buckets: Iterable[torch.Tensor], replicas: Replicas

@@ -30,7 +30,7 @@ from torchrl_vllm_ext import leftovers
 from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.extensions import ActorMethods, WorkerMethods
 from torchrl_vllm_ext.weight_sync.params import require_all_finite, require_finite, torch_dtype
-from torchrl_vllm_ext.weight_sync.specs import SlotManifest
+from torchrl_vllm_ext.weight_sync.specs import SlotManifest, SlotTarget, TensorSpec
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Prepared,
@@ -38,6 +38,7 @@ from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Transport,
     TransportOptions,
     WorkerCall,
+    WrittenByRanks,
     calls_for,
     raise_errors,
 )
@@ -45,8 +46,9 @@ from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotWriter
 from torchrl_vllm_ext.weight_sync.transports.waits import release_on_replicas, wait_staged
 
 
-class StorageTransport(Transport):
-    """Weights through two memory-mapped TensorDict slots (see :mod:`.slots`).
+class StorageTransport(Transport, WrittenByRanks):
+    """Weights through two memory-mapped TensorDict slots (see :mod:`.slots`); a slot
+    other processes write too (:class:`~..protocol.WrittenByRanks`).
 
     Args:
         fleet: the replicas pushed to (a service's ``pool``).
@@ -94,9 +96,15 @@ class StorageTransport(Transport):
         prepared.sent_bytes = self.writer.written
         return prepared
 
+    def reserve_written(self, layout: tuple[TensorSpec, ...]) -> SlotTarget:
+        """The idle slot, allocated for ``layout`` (:meth:`SlotWriter.idle`)."""
+        shapes = tuple((s.name, tuple(s.shape), torch_dtype(s.dtype)) for s in layout)
+        slot, path = self.writer.idle(shapes)
+        return SlotTarget(slot, str(path))
+
     async def prepare_written(self, manifest: SlotManifest, replicas: Replicas) -> Prepared:
         """``prepare`` of a slot other processes filled (a sharded trainer's ranks, in the
-        slot :meth:`SlotWriter.idle` gave them, checksummed into ``manifest``): publish
+        slot :meth:`reserve_written` gave them, checksummed into ``manifest``): publish
         it, then the same steps."""
         t0 = time.perf_counter()
         self._previous = self.writer.published()
