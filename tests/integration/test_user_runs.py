@@ -137,6 +137,19 @@ def countdown(out: Path) -> Child:
     return start(args, out, env=trainer_env(TAG))
 
 
+ASYNC_STEPS, ASYNC_LAG = 12, 1
+"""The asynchronous demo's run: the bound and the keys hold from the first step on."""
+
+
+def async_demo(out: Path) -> Child:
+    """The demo with ``--async``, in-flight pushes, a smaller batch (the bound holds from the
+    first step on)."""
+    return demo(
+        out, ASYNC_STEPS, "--async", "--max-policy-lag", str(ASYNC_LAG), "--in-flight-updates",
+        "--prompts", "4", "--group-size", "8",
+    )  # fmt: skip
+
+
 GUIDE_STEPS, SHARDED_STEPS = "steps=20,", "steps=4,"
 """The sharded page's job runs 20 steps; the checks below hold from the first push on, so
 the test runs 4 (the 16 more took ~11 s on 2 cores)."""
@@ -159,6 +172,7 @@ CHILDREN = {
     "test_grpo_notebook_runs_and_its_reward_rises[40]": lambda out: notebook(
         "grpo.ipynb", out, GRPO_STEPS="40", GRPO_REPLICAS="1"
     ),
+    "test_async_demo_keeps_the_staleness_bound_and_reports_every_step": async_demo,
     "test_demo_with_a_lora_adapter_pushes_only_the_adapter": lambda out: demo(
         out, LORA_STEPS, "--lora-rank", "8"
     ),
@@ -283,6 +297,41 @@ def test_tensordict_notebook_outputs_documented_keys(child):
     assert summary["num_samples_batch_shape"] == [3, 4]
     assert summary["text_rows"] == 2
     assert summary["scoring_max_abs_diff"] < 1e-4
+
+
+def test_async_demo_keeps_the_staleness_bound_and_reports_every_step(child):
+    from torchrl_vllm_ext.collectors import token_spans
+    from torchrl_vllm_ext.grpo.async_metrics import STEP_KEYS
+
+    proc = child.result()
+    tmp_path = child.out / "run"
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["config"]["async_mode"] and metrics["config"]["rollout_correction"]
+    assert len(metrics["steps"]) == ASYNC_STEPS
+    for step in metrics["steps"]:
+        missing = [k for k in STEP_KEYS if k not in step]
+        assert not missing, (step["step"], missing)
+        assert step["staleness_max"] <= ASYNC_LAG  # the gate (wait) keeps every sample in
+    assert [s["batch_index"] for s in metrics["steps"]] == list(range(ASYNC_STEPS))
+    s = metrics["summary"]
+    assert s["stale_dropped"] == s["stale_masked_tokens"] == 0
+    assert s["stale_samples"] > 0  # trained off-policy: the replicas ran ahead
+    assert (tmp_path / "torchrl-vllm.log").read_text().count("pushed version") == ASYNC_STEPS
+    # The recorded spans: no trained token of a batch consumed at version v was made by
+    # weights older than v - K.
+    r = TensorDict.load_memmap(tmp_path / "rollouts")
+    consumed = r["consumed_version"]
+    assert (consumed[1:] >= consumed[:-1]).all() and (consumed >= 0).all()
+    assert (r["weight_version_end"] >= r["weight_version"]).all()
+    answer = r["response"].shape[-1]
+    for row in r.reshape(-1):
+        spans = token_spans(
+            int(row["weight_version"]), int(row["weight_version_end"]),
+            int(row["weight_version_end_from"]), answer,
+        )  # fmt: skip
+        trained = [sp for sp in spans if sp.token_to > int(row["stale_tokens"])]
+        assert all(sp.first_version >= int(row["consumed_version"]) - ASYNC_LAG for sp in trained)
 
 
 def test_demo_with_a_lora_adapter_pushes_only_the_adapter(child):

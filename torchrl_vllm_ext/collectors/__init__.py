@@ -1,7 +1,15 @@
 """TorchRL collector integration: weight updates through our scheme, bounded-staleness async collection."""
 
 from torchrl_vllm_ext.collectors.async_collection import AsyncCollection
-from torchrl_vllm_ext.collectors.partial import mask_stale_tokens, stale_prefix
+from torchrl_vllm_ext.collectors.partial import (
+    StaleTokens,
+    VersionSpan,
+    exclude_stale_tokens,
+    mask_stale_tokens,
+    stale_prefix,
+    token_spans,
+)
+from torchrl_vllm_ext.collectors.rollout_queue import BusyClock, QueuedBatch, RolloutQueue
 from torchrl_vllm_ext.collectors.staleness import (
     GatedPolicy,
     StalenessFilter,
@@ -12,11 +20,18 @@ from torchrl_vllm_ext.collectors.updater import WeightSyncUpdater
 
 __all__ = [
     "AsyncCollection",
+    "BusyClock",
     "GatedPolicy",
+    "QueuedBatch",
+    "RolloutQueue",
+    "StaleTokens",
     "StalenessFilter",
     "StalenessGate",
+    "VersionSpan",
     "WeightSyncUpdater",
+    "exclude_stale_tokens",
     "mask_stale_tokens",
     "sample_versions",
     "stale_prefix",
+    "token_spans",
 ]

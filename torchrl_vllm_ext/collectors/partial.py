@@ -11,6 +11,8 @@ tokens older than a staleness bound out of the loss, keeping the rest of the sam
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from tensordict import TensorDictBase
 
@@ -19,6 +21,43 @@ from torchrl_vllm_ext.wrappers.inputs import flatten_rows
 from torchrl_vllm_ext.wrappers.layout import END_FROM_KEY, END_VERSION_KEY, VERSION_KEY
 
 ASSISTANT_MASK = ("masks", "all_assistant_mask")
+FULL_LOG_PROBS = ("log_probs", "full")
+
+
+@dataclass(frozen=True)
+class VersionSpan:
+    """Response tokens ``[token_from, token_to)`` of one sample, made by weights of a
+    version in ``[first_version, last_version]``."""
+
+    first_version: int
+    """The oldest version that may have made these tokens (the one the bound reads)."""
+    last_version: int
+    """The newest (above ``first_version`` where pushes fell inside the span)."""
+    token_from: int
+    token_to: int
+
+
+def token_spans(start: int, end: int, end_from: int, length: int) -> list[VersionSpan]:
+    """A sample's response tokens as version spans, from what the engine records.
+
+    The engine records the version a request was admitted at (``start``), the one it
+    finished at (``end``) and the first token made with ``end`` (``end_from``): one span
+    when no push fell inside the generation, two when some did. Tokens before
+    ``end_from`` were made by ``start`` up to ``end - 1`` (several versions when more
+    than one push fell inside: the engine does not record where each of those began, so
+    the span names the range and the bound reads its oldest).
+
+    Examples:
+        >>> token_spans(3, 3, 0, 4)
+        [VersionSpan(first_version=3, last_version=3, token_from=0, token_to=4)]
+        >>> [(s.first_version, s.last_version, s.token_from, s.token_to)
+        ...  for s in token_spans(3, 5, 2, 4)]
+        [(3, 4, 0, 2), (5, 5, 2, 4)]
+    """
+    if end == start or end_from <= 0:
+        version = end if end_from <= 0 else start
+        return [VersionSpan(version, version, 0, length)]
+    return [VersionSpan(start, end - 1, 0, end_from), VersionSpan(end, end, end_from, length)]
 
 
 def stale_prefix(td: TensorDictBase, current_version: int, max_policy_lag: int) -> torch.Tensor:
@@ -74,4 +113,95 @@ def mask_stale_tokens(
     return td
 
 
-__all__ = ["END_FROM_KEY", "END_VERSION_KEY", "mask_stale_tokens", "stale_prefix"]
+def _rows(value):
+    """1-D views of every sample's values: a lazy stack's leaves, each a row or (a stack
+    of padded batches) rows of its own."""
+    for leaf in flatten_rows(value):
+        if leaf.dim() > 1:
+            yield from leaf.reshape(-1, leaf.shape[-1]).unbind(0)
+        else:
+            yield leaf
+
+
+@dataclass(frozen=True)
+class StaleTokens:
+    """What :func:`exclude_stale_tokens` took out of one batch."""
+
+    samples: int
+    """Samples with no token left (every token past the bound)."""
+    tokens: int
+    """Response tokens taken out, those samples' included."""
+    kept_tokens: int
+    """Response tokens left for the loss."""
+    per_sample: torch.Tensor
+    """Tokens taken out of each sample (int64, flat)."""
+
+
+def exclude_stale_tokens(
+    td: TensorDictBase,
+    current_version: int,
+    max_policy_lag: int,
+    *,
+    log_probs_key=FULL_LOG_PROBS,
+    mask_key=ASSISTANT_MASK,
+) -> StaleTokens:
+    """Take response tokens more than ``max_policy_lag`` versions old out of TorchRL's
+    GRPO / PPO losses, in place: their behaviour log-prob (``log_probs_key``, the
+    engine's) becomes NaN, which TorchRL's ``GRPOLoss`` reads as "no score" and leaves
+    out of its mask (the ratio, the clip, the token mean and the KL terms).
+
+    ``mask_key`` (the response positions in ``("tokens", "full")``) is left as it is: the
+    ``sft`` masking strategy does not read it. Padded and ragged layouts.
+
+    Examples:
+        >>> from tensordict import TensorDict, NonTensorStack
+        >>> td = TensorDict({("masks", "all_assistant_mask"): torch.tensor(
+        ...     [[False, True, True, True], [False, True, True, True]]),
+        ...     ("log_probs", "full"): torch.zeros(2, 4)}, batch_size=[2])
+        >>> _ = td.set(("vllm", "weight_version"), NonTensorStack("1", "0"))
+        >>> _ = td.set(("vllm", "weight_version_end"), NonTensorStack("2", "0"))
+        >>> _ = td.set(("vllm", "weight_version_end_from"), torch.tensor([2, 0]))
+        >>> out = exclude_stale_tokens(td, current_version=2, max_policy_lag=0)
+        >>> out.samples, out.tokens, out.kept_tokens
+        (1, 5, 1)
+        >>> td["log_probs", "full"].isnan().tolist()
+        [[False, True, True, False], [False, True, True, True]]
+    """
+    cut = stale_prefix(td, int(current_version), max_policy_lag).reshape(-1)
+    masks = td.get(mask_key, as_list=True)
+    log_probs = td.get(log_probs_key, as_list=True)
+    if isinstance(masks, torch.Tensor):
+        flat = masks.reshape(-1, masks.shape[-1]).bool()
+        stale = flat & ~_keep(flat, cut)
+        if stale.any():
+            values = log_probs.reshape(stale.shape).masked_fill(stale, float("nan"))
+            td.set(log_probs_key, values.reshape(log_probs.shape))
+        per_sample, responses = stale.sum(-1), flat.sum(-1)
+    else:
+        counts, sizes = [], []
+        for mask, lp, c in zip(_rows(masks), _rows(log_probs), cut.unbind(0), strict=True):
+            mask = mask.bool()
+            stale = mask & ~_keep(mask, c)
+            lp.masked_fill_(stale, float("nan"))  # a view of the lazy stack's own tensor
+            counts.append(int(stale.sum()))
+            sizes.append(int(mask.sum()))
+        per_sample, responses = torch.tensor(counts), torch.tensor(sizes)
+    whole = (per_sample == responses) & (responses > 0)
+    return StaleTokens(
+        samples=int(whole.sum()),
+        tokens=int(per_sample.sum()),
+        kept_tokens=int((responses - per_sample).sum()),
+        per_sample=per_sample.long(),
+    )
+
+
+__all__ = [
+    "END_FROM_KEY",
+    "END_VERSION_KEY",
+    "StaleTokens",
+    "VersionSpan",
+    "exclude_stale_tokens",
+    "mask_stale_tokens",
+    "stale_prefix",
+    "token_spans",
+]

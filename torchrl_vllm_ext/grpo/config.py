@@ -6,6 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchrl_vllm_ext.errors import ConfigurationError
+
+STALE_POLICIES = ("wait", "drop")
+"""What the asynchronous job does about the staleness bound: hold the rollout side back
+before a batch that would break it (``wait``), or let it run and leave the tokens past the
+bound out of the loss (``drop``)."""
+
 
 @dataclass
 class GRPOConfig:
@@ -90,6 +97,48 @@ class GRPOConfig:
     """File the replicas' output (vLLM's logs, warnings) is appended to; None: the terminal."""
     target_fraction: float = 0.8
     """The reward (fraction of the task's maximum of 1.0) the run reports the time to reach."""
+    async_mode: bool = False
+    """Asynchronous GRPO: the rollout side keeps generating (a producer thread into a
+    queue) while the trainer trains on the previous batch; batches are consumed in order,
+    at most ``max_policy_lag`` versions old (docs/guide/async.md). With it, a
+    ``rollout_correction`` of None means token_truncate (TIS against the engine's
+    log-probs)."""
+    max_policy_lag: int = 1
+    """Asynchronous mode: the most versions a trained token's weights may be behind the
+    trainer's (0: on-policy, the rollout side waits for every push)."""
+    in_flight_updates: bool = False
+    """Asynchronous mode: pushes land while generations are in flight (pause mode
+    ``keep``: a sample may span versions); off: a push waits for the generations in flight
+    to finish (pause mode ``wait``), so every sample comes from one version."""
+    stale_policy: str = "wait"
+    """Asynchronous mode: wait (hold the rollout side before a batch that would break the
+    bound) or drop (let it run; tokens past the bound are left out of the loss)."""
+
+    def __post_init__(self):
+        lag = self.max_policy_lag
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+            raise ConfigurationError(
+                f"max_policy_lag={lag!r} must be an int >= 0 (0: on-policy only)."
+            )
+        if self.stale_policy not in STALE_POLICIES:
+            raise ConfigurationError(
+                f"stale_policy={self.stale_policy!r} is not one of {STALE_POLICIES}: 'wait' "
+                "holds the rollout side back, 'drop' leaves stale tokens out of the loss."
+            )
+        if self.async_mode and (self.trainer_ranks > 1 or self.lora_rank):
+            raise ConfigurationError(
+                "async_mode runs one trainer rank pushing full weights: pass "
+                f"trainer_ranks=1 (got {self.trainer_ranks}) and lora_rank=0 (got "
+                f"{self.lora_rank}), or leave async_mode off."
+            )
+
+    @property
+    def pause_mode(self) -> str | None:
+        """The weight pushes' pause mode: ``keep`` (in-flight updates), ``wait`` (async,
+        between generations), or None (the scheme's default, synchronous job)."""
+        if not self.async_mode:
+            return None
+        return "keep" if self.in_flight_updates else "wait"
 
     @property
     def rows_per_step(self) -> int:

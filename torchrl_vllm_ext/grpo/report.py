@@ -6,6 +6,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from torchrl_vllm_ext.grpo.async_metrics import plot_idle
+
 PHASES = ("generate", "score", "train", "sync")
 PHASE_HELP = {
     "generate": "collector: vLLM sampling on the replicas + env reward",
@@ -188,7 +190,8 @@ def breakdown_table(summary: dict) -> str:
 
 
 def plot_run(steps: list[dict], summary: dict, path: Path, *, window: int = 10) -> Path:
-    """Reward per step (raw and moving average, random level, target) and step times."""
+    """Reward per step (raw and moving average, random level, target), the mismatch and
+    the idle ratios and staleness when the steps carry them, and step times."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on servers and CI
@@ -196,16 +199,22 @@ def plot_run(steps: list[dict], summary: dict, path: Path, *, window: int = 10) 
 
     x = [s["step"] for s in steps]
     rewards = [s["reward"] for s in steps]
-    with_mismatch = all("mismatch_kl_k3" in s for s in steps)
-    if with_mismatch:
-        fig, (top, middle, bottom) = plt.subplots(
-            3, 1, figsize=(8, 9), sharex=True, gridspec_kw={"height_ratios": [2, 1.2, 1]}
-        )
-        plot_mismatch(middle, steps)
-    else:
-        fig, (top, bottom) = plt.subplots(
-            2, 1, figsize=(8, 6.5), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
-        )
+    panels = [("reward", 2.0)]
+    if all("mismatch_kl_k3" in s for s in steps):
+        panels.append(("mismatch", 1.2))
+    if all("trainer_idle_ratio" in s for s in steps):
+        panels.append(("idle", 1.0))
+    panels.append(("time", 1.0))
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(8, 2.5 + 2.2 * (len(panels) - 1)), sharex=True,
+        gridspec_kw={"height_ratios": [h for _, h in panels]},
+    )  # fmt: skip
+    axis = dict(zip([name for name, _ in panels], axes, strict=True))
+    top, bottom = axis["reward"], axis["time"]
+    if "mismatch" in axis:
+        plot_mismatch(axis["mismatch"], steps)
+    if "idle" in axis:
+        plot_idle(axis["idle"], steps)
     top.plot(x, rewards, color="tab:blue", alpha=0.35, label="reward (batch mean)")
     top.plot(x, moving_average(rewards, window), color="tab:blue", label=f"{window}-step mean")
     top.axhline(summary["random_policy_reward"], color="grey", ls=":", label="random policy")

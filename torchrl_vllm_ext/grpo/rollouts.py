@@ -8,7 +8,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch.nn.utils.rnn import pad_sequence
 
+from torchrl_vllm_ext.collectors.staleness import sample_versions
 from torchrl_vllm_ext.wrappers.inputs import flatten_rows
+from torchrl_vllm_ext.wrappers.layout import END_FROM_KEY, END_VERSION_KEY, VERSION_KEY
 
 
 def _padded(rows, width: int, value) -> torch.Tensor:
@@ -37,7 +39,13 @@ class RolloutRecorder:
 
     Keys: ``prompt`` (int64 ids), ``response`` (int64, padded with -1),
     ``response_log_probs`` (float32, padded with 0), ``reward``, ``advantage``,
-    ``weight_version`` (the engine version that sampled the row) and ``step``.
+    ``weight_version`` (the engine version the row's request was admitted at: the oldest
+    weights that made it), ``weight_version_end`` and ``weight_version_end_from`` (the
+    version it finished at and its first token made by it: a push in flight fell inside
+    the generation when they differ; :func:`~torchrl_vllm_ext.collectors.token_spans`
+    turns the three into version spans), ``consumed_version`` (the trainer's version when
+    it trained on the row), ``stale_tokens`` (leading response tokens left out of the loss
+    as past the staleness bound) and ``step``.
     Rows of a step are written in place, so an interrupted run keeps the finished steps
     (``recorded`` of them; later steps stay zero), and memory stays flat.
 
@@ -60,17 +68,36 @@ class RolloutRecorder:
                 "reward": torch.zeros(steps, rows),
                 "advantage": torch.zeros(steps, rows),
                 "weight_version": torch.zeros(steps, rows, dtype=torch.int64),
+                "weight_version_end": torch.zeros(steps, rows, dtype=torch.int64),
+                "weight_version_end_from": torch.zeros(steps, rows, dtype=torch.int64),
+                "consumed_version": torch.full((steps, rows), -1, dtype=torch.int64),
+                "stale_tokens": torch.zeros(steps, rows, dtype=torch.int64),
                 "step": torch.full((steps, rows), -1, dtype=torch.int64),
             },
             batch_size=(steps, rows),
         ).memmap_(self.path)
 
-    def record(self, step: int, batch: TensorDictBase) -> None:
-        """Write the collector's ``batch`` (with ``"advantage"`` set) as step ``step``."""
+    def record(
+        self,
+        step: int,
+        batch: TensorDictBase,
+        *,
+        consumed_version: int | None = None,
+        stale_tokens: torch.Tensor | None = None,
+    ) -> None:
+        """Write the collector's ``batch`` (with ``"advantage"`` set) as step ``step``,
+        trained on at the trainer's ``consumed_version`` (-1: not given) with
+        ``stale_tokens`` per row left out of the loss (0: none)."""
         data = batch.reshape(-1)
         responses = response_rows(data, ("tokens", "response"))
         log_probs = response_rows(data, ("log_probs", "response"))
-        versions = [int(v) for v in data.get(("vllm", "weight_version")).flatten().tolist()]
+        n = len(responses)
+        versions = sample_versions(data, VERSION_KEY)
+        if data.get(END_VERSION_KEY, None) is not None:
+            ends = sample_versions(data, END_VERSION_KEY)
+            end_from = data.get(END_FROM_KEY).reshape(-1).long()
+        else:  # a policy that records no end version: every token made at the start one
+            ends, end_from = versions, torch.zeros(n, dtype=torch.int64)
         row = TensorDict(
             {
                 "prompt": data.get(("tokens", "prompt")).reshape(len(responses), -1),
@@ -78,10 +105,20 @@ class RolloutRecorder:
                 "response_log_probs": _padded(log_probs, self.response_len, 0.0).float(),
                 "reward": data.get(("next", "reward")).reshape(-1).float(),
                 "advantage": data.get("advantage").reshape(-1).float(),
-                "weight_version": torch.tensor(versions, dtype=torch.int64),
-                "step": torch.full((len(responses),), step, dtype=torch.int64),
+                "weight_version": versions,
+                "weight_version_end": ends,
+                "weight_version_end_from": end_from,
+                "consumed_version": torch.full(
+                    (n,), -1 if consumed_version is None else int(consumed_version)
+                ),
+                "stale_tokens": (
+                    torch.zeros(n, dtype=torch.int64)
+                    if stale_tokens is None
+                    else stale_tokens.reshape(-1).long()
+                ),
+                "step": torch.full((n,), step, dtype=torch.int64),
             },
-            batch_size=(len(responses),),
+            batch_size=(n,),
         )
         self.td[step].update_(row)
         self.recorded = step + 1

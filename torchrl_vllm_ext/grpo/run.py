@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -22,6 +23,13 @@ from pathlib import Path
 import torch
 
 from torchrl_vllm_ext.errors import ConfigurationError
+from torchrl_vllm_ext.grpo.async_loop import AsyncLoop
+from torchrl_vllm_ext.grpo.async_metrics import (
+    async_summary,
+    batch_staleness,
+    idle_figures,
+    idle_postfix,
+)
 from torchrl_vllm_ext.grpo.config import GRPOConfig
 from torchrl_vllm_ext.grpo.data_parallel import (
     DataParallelStep,
@@ -138,6 +146,9 @@ def run_grpo(
     ``if __name__ == "__main__":`` in a script, as any use of multiprocessing's spawn.
     """
     check_trainer_ranks(cfg)
+    if cfg.async_mode and cfg.rollout_correction is None:
+        # Off-policy samples: TIS against the engine's log-probs (the behaviour policy).
+        cfg = dataclasses.replace(cfg, rollout_correction="token_truncate")
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.output)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -172,7 +183,7 @@ def run_grpo(
         )
         if cfg.trainer_ranks > 1:
             trainer = stack.enter_context(DataParallelStep(trainer, cfg.trainer_ranks))
-        loop = _Loop(cfg, trainer, recorder, model, scheme)
+        loop = (AsyncLoop if cfg.async_mode else _Loop)(cfg, trainer, recorder, model, scheme)
         if cfg.trainer_ranks > 1:  # a sharded push's value check scores the model's forward
             loop.push_guard = mask.lifted
         loop.collector, loop.updater, loop.reference = _collector(
@@ -194,7 +205,12 @@ def _weight_sync(cfg: GRPOConfig, service, stack: contextlib.ExitStack):
         scheme = stack.enter_context(AdapterSync(service, "policy", keep=2))
         return scheme, scheme
     delta = {"on": True, "off": False}.get(cfg.delta, cfg.delta)
-    scheme = stack.enter_context(WeightSyncScheme(service, transport=cfg.transport, delta=delta))
+    # Asynchronous: pushes land in flight (keep) or once the generations in flight end
+    # (wait); the synchronous job pushes between batches with the scheme's default.
+    pause = {} if cfg.pause_mode is None else {"pause_mode": cfg.pause_mode}
+    scheme = stack.enter_context(
+        WeightSyncScheme(service, transport=cfg.transport, delta=delta, **pause)
+    )
     if cfg.trainer_ranks == 1:
         return scheme, scheme
     return scheme, stack.enter_context(ShardedWeightSync(scheme))
@@ -301,6 +317,7 @@ class _Loop:
                     tok_s=f"{metrics['tokens_per_s']:.0f}",
                     sync_s=f"{metrics['sync_s']:.2f}",
                     **({"kl_ref": f"{metrics['kl_to_ref']:.3f}"} if "kl_to_ref" in metrics else {}),
+                    **idle_postfix(metrics),
                     **mismatch_postfix(metrics),
                 )
                 if on_step is not None:
@@ -314,8 +331,9 @@ class _Loop:
         t0 = time.perf_counter()
         batch = next(batches)
         generate_s = time.perf_counter() - t0
+        consumed = int(self.collector.policy_version)  # the weights trained (0: none pushed)
         metrics = self.trainer.step(batch)
-        self.recorder.record(step, batch)
+        self.recorder.record(step, batch, consumed_version=consumed)
         t1 = time.perf_counter()
         with self.push_guard():
             self.collector.update_policy_weights_(self.model)
@@ -332,6 +350,16 @@ class _Loop:
             sync_delta=getattr(report, "base", None) is not None,
             tokens_per_s=self.cfg.rows_per_step * self.cfg.answer_len / generate_s,
             weight_version=int(self.scheme.version),
+            consumed_version=consumed,
+            # The same figures as the asynchronous loop's: here the trainer waits for
+            # every generation and the replicas for every step and push.
+            **batch_staleness(batch, consumed),
+            **idle_figures(
+                step_s=time.perf_counter() - t0,
+                trainer_idle_s=generate_s,
+                rollout_busy_s=generate_s,
+                tokens=self.cfg.rows_per_step * self.cfg.answer_len,
+            ),
         )
         return metrics
 
@@ -344,6 +372,7 @@ def _written(cfg: GRPOConfig, steps: list[dict], startup_s: float, transport, ou
         transport=transport,
         replicas=cfg.replicas,
         trainer_ranks=cfg.trainer_ranks,
+        **async_summary(steps),
     )
     result = {
         "config": cfg.to_json(),

@@ -34,6 +34,7 @@ BENCHMARKS = {
     "multinode": ([], ["--hidden", "256", "--layers", "8", "--rounds", "3"]),
     "sharded": ([], ["--hidden", "256", "--layers", "8", "--repeats", "2", "--worlds", "2"]),
     "delta": ([], ["--hidden", "256", "--layers", "8", "--rounds", "2", "--block", "2"]),
+    "async": ([], ["--steps", "20", "--rounds", "1", "--lags", "1"]),
 }
 RATIO_WORDS = ("ratio", "_vs_", "_over_", "speedup", "fraction", "share", "hit_rate")
 

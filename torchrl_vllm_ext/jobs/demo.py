@@ -12,6 +12,7 @@ import argparse
 import logging
 
 from torchrl_vllm_ext.engine.placement import PLACEMENTS
+from torchrl_vllm_ext.grpo.config import STALE_POLICIES
 from torchrl_vllm_ext.losses.correction import MODES
 from torchrl_vllm_ext.weight_sync.transports import registry
 
@@ -44,6 +45,10 @@ FLAGS = {
     "cpus_per_replica": "--cpus-per-replica",
     "ray_address": "--ray-address",
     "placement": "--placement",
+    "async_mode": "--async",
+    "max_policy_lag": "--max-policy-lag",
+    "in_flight_updates": "--in-flight-updates",
+    "stale_policy": "--stale-policy",
 }
 DTYPES = ("float32", "bfloat16", "float16")
 CHOICES = {
@@ -53,6 +58,7 @@ CHOICES = {
     "replica_dtype": DTYPES,
     "rollout_correction": MODES,
     "placement": PLACEMENTS,
+    "stale_policy": STALE_POLICIES,
 }
 
 
@@ -93,9 +99,19 @@ def run(args: argparse.Namespace) -> int:
         f"\nreward: {s['reward_start']:.3f} (step 0; random policy "
         f"{s['random_policy_reward']:.3f}) -> {s['reward_end']:.3f} (last 10); "
         f"{s['target_reward']:.0%} of max: {reached}; replicas up in {s['startup_s']:.0f} s, "
-        f"training {s['train_wall_s']:.0f} s; max |KL(trainer, engine)| on fresh samples "
+        f"training {s['train_wall_s']:.0f} s; max |KL(trainer, engine)| on "
+        f"{'samples up to the lag behind' if cfg.async_mode else 'fresh samples'} "
         f"{s['max_abs_kl_to_engine']:.1e}\n"
     )
+    if cfg.async_mode:
+        print(
+            f"async, lag {cfg.max_policy_lag} ({cfg.stale_policy}, pushes "
+            f"{'in flight' if cfg.in_flight_updates else 'between generations'}): median wall "
+            f"step {s['median_wall_step_s']:.3f} s (the phases below overlap); idle: trainer "
+            f"{s['trainer_idle_ratio']:.0%}, rollout {s['rollout_idle_ratio']:.0%}; versions "
+            f"behind {s['staleness_mean']:.2f} mean, {s['staleness_max']} max; partial "
+            f"{s['partial_ratio']:.0%}; stale tokens left out {s['stale_masked_tokens']}"
+        )
     if "median_ref_s" in s:
         print(
             f"KL to the reference: {s['kl_to_ref_start']:.3f} -> {s['kl_to_ref_end']:.3f}; "

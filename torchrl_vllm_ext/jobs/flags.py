@@ -68,13 +68,19 @@ def add_config_flags(
     fields: dict[str, str],
     choices: dict[str, tuple] | None = None,
 ) -> None:
-    """Add ``--flag`` for each ``{field: flag}`` of dataclass ``cls``."""
+    """Add ``--flag`` for each ``{field: flag}`` of dataclass ``cls`` (a ``bool`` field, off
+    by default: a switch without a value)."""
     hints = typing.get_type_hints(cls)
     docs = field_docs(cls)
     defaults = {f.name: f for f in dataclasses.fields(cls)}
     for name, flag in fields.items():
         f = defaults[name]
         default = f.default if f.default is not dataclasses.MISSING else None
+        if hints[name] is bool:  # a switch: present is True (the field defaults to False)
+            parser.add_argument(
+                flag, dest=name, action="store_true", help=plain_text(docs.get(name, ""))
+            )
+            continue
         parser.add_argument(
             flag,
             dest=name,
