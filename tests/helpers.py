@@ -762,3 +762,74 @@ def sharded_world(model_dir, steps: list[dict], world: int = 2):
                 p.join()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------- asynchronous GRPO
+ASYNC_PROMPTS, ASYNC_GROUP = 2, 4
+"""The asynchronous fault tests' batch: 2 prompts x 4 samples (8 rows of 4 tokens)."""
+
+
+def async_grpo_loop(service, scheme, model_dir, out_dir, *, steps: int, lag: int, trainer=None):
+    """The demo's asynchronous loop (:class:`~torchrl_vllm_ext.grpo.async_loop.AsyncLoop`,
+    in-flight pushes, the ``wait`` policy) over a running ``service`` and ``scheme``, wired as
+    ``run_grpo`` wires it; ``trainer(trainer)``, if given, wraps the job's trainer. Returns
+    (the loop, the trainer model)."""
+    from torchrl_vllm_ext.grpo import GRPOConfig
+    from torchrl_vllm_ext.grpo.async_loop import AsyncLoop
+    from torchrl_vllm_ext.grpo.rollouts import RolloutRecorder
+    from torchrl_vllm_ext.grpo.run import _collector, _task  # the job's own wiring
+    from torchrl_vllm_ext.grpo.trainer_model import build_trainer, load_trainer_model
+
+    cfg = GRPOConfig(
+        model=str(model_dir),
+        output=out_dir,
+        steps=steps,
+        prompts_per_step=ASYNC_PROMPTS,
+        group_size=ASYNC_GROUP,
+        async_mode=True,
+        max_policy_lag=lag,
+        in_flight_updates=True,
+        rollout_correction="token_truncate",  # what run_grpo picks in async mode
+    )
+    _, tokenizer, model = load_trainer_model(cfg)
+    model, env, _ = _task(cfg, model)
+    job_trainer = build_trainer(cfg, model, tokenizer)
+    recorder = RolloutRecorder(
+        out_dir / "rollouts",
+        steps=steps,
+        rows=cfg.rows_per_step,
+        prompt_len=cfg.prompt_len,
+        response_len=cfg.answer_len,
+    )
+    loop = AsyncLoop(
+        cfg, job_trainer if trainer is None else trainer(job_trainer), recorder, model, scheme
+    )
+    loop.collector, loop.updater, loop.reference = _collector(
+        cfg, env, service, None, scheme, tokenizer, scheme
+    )
+    return loop, model
+
+
+def assert_spans_within_bound(rollouts, steps: int, lag: int) -> None:
+    """No trained token of the first ``steps`` recorded steps (a RolloutRecorder's
+    TensorDict) was made by weights older than the version it was consumed at - ``lag``,
+    read from the recorded version spans; every row of those steps was recorded."""
+    from torchrl_vllm_ext.collectors import token_spans
+
+    done = rollouts[:steps].reshape(-1)
+    assert (done["consumed_version"] >= 0).all() and (done["step"] >= 0).all()
+    assert (done["weight_version_end"] >= done["weight_version"]).all()
+    answer = done["response"].shape[-1]
+    for row in done:
+        spans = token_spans(
+            int(row["weight_version"]), int(row["weight_version_end"]),
+            int(row["weight_version_end_from"]), answer,
+        )  # fmt: skip
+        trained = [sp for sp in spans if sp.token_to > int(row["stale_tokens"])]
+        consumed = int(row["consumed_version"])
+        assert all(sp.first_version >= consumed - lag for sp in trained), (row, spans)
+
+
+def producer_threads() -> list[threading.Thread]:
+    """The rollout producers (RolloutQueue threads) alive in this process."""
+    return [t for t in threading.enumerate() if t.name == "rollout-queue" and t.is_alive()]
