@@ -17,6 +17,7 @@ from ..helpers import (
     assert_replicas_match,
     hf_token_logprobs,
     perturb,
+    replica_logprobs,
     wait_restarted,
     wait_until,
 )
@@ -143,7 +144,12 @@ def test_restarted_replica_is_brought_to_current_weights(service, trainer, schem
     assert_replicas_match(service, trainer, f"after-crash-{transport}")
 
 
-def test_tensor_parallel_replica_receives_full_tensors(tiny_model, ray_cluster, trainer):
+def test_tensor_parallel_replica_workers_read_only_their_slices(tiny_model, ray_cluster, trainer):
+    """Storage on a TP=2 replica: the first push of a layout is read whole (the load plan is
+    traced); from the next one each worker reads only its slices of the tensors its plan
+    cuts (received / kept = 1.0 on them), the others whole, by name; the replica serves
+    the trainer's log-probs, bitwise those of a whole-tensor push (broadcast hands each
+    worker every tensor whole) of the same weights."""
     with VLLMService.launch(
         tiny_model,
         num_replicas=1,
@@ -152,18 +158,39 @@ def test_tensor_parallel_replica_receives_full_tensors(tiny_model, ray_cluster, 
         health_check_interval=0,
         **ENGINE_KWARGS,
     ) as tp2:
-        for transport in reversed(CPU_TRANSPORTS):
-            with WeightSyncScheme(tp2, transport=transport) as scheme:
-                perturb(trainer, seed=len(transport))
-                report = scheme.push(trainer, version=f"tp2-{transport}")
-                assert_replicas_match(tp2, trainer, f"tp2-{transport}")
-                # Each worker receives every tensor whole and keeps its shards (its load
-                # plan's slices): about half of the sharded bytes, the replicated ones.
-                (workers,) = report.loads.values()
-                kept = [w["kept_bytes"] for w in workers]
-                print(f"tp2 {transport}: received {report.nbytes}, kept {kept}")
-                assert len(kept) == 2 and all(0 < k < report.nbytes for k in kept), kept
-                assert sum(kept) >= report.nbytes and 0.5 < report.kept_share < 1.0
+        storage = WeightSyncScheme(tp2, transport="storage")
+        broadcast = WeightSyncScheme(tp2, transport="broadcast")
+        with storage, broadcast:
+            perturb(trainer, seed=1)
+            before = {k: v.clone() for k, v in trainer.state_dict().items()}
+            (traced,) = storage.push(before, version="tp2-trace").reads.values()
+            assert [w.received for w in traced] == [w.nbytes for w in traced]  # no plan yet
+
+            perturb(trainer, seed=2)
+            weights = {k: v.clone() for k, v in trainer.state_dict().items()}
+            report = storage.push(weights, version="tp2-slices")
+            assert_replicas_match(tp2, trainer, "tp2-slices")
+            sliced = replica_logprobs(tp2)
+            (workers,) = report.reads.values()
+            for rank, w in enumerate(workers):
+                print(
+                    f"tp2 storage rank {rank}: pushed {w.nbytes}, received {w.received}, "
+                    f"kept {w.kept}, sliced {w.sliced_received}/{w.sliced_kept}, "
+                    f"whole {len(w.whole)}: {sorted(set(w.whole.values()))}"
+                )
+                assert w.sliced_ratio == 1.0, w
+                assert w.received == w.kept < w.nbytes, w
+                assert w.whole and all(w.whole.values()), w  # the norms, by name and why
+            assert sum(w.kept for w in workers) >= report.nbytes  # the replicated ones twice
+            assert 0.5 < report.kept_share < 1.0
+
+            # The same weights pushed whole: bitwise the same served log-probs.
+            broadcast.push(before, version="tp2-whole-before")
+            (whole,) = broadcast.push(weights, version="tp2-whole").reads.values()
+            assert [w.received for w in whole] == [w.nbytes for w in whole]
+            for rid, (logprobs, version) in replica_logprobs(tp2).items():
+                assert version == "tp2-whole"
+                assert torch.equal(logprobs, sliced[rid][0])
 
 
 def test_a_push_while_paused_leaves_the_replicas_paused_and_checks_them_at_resume(

@@ -55,6 +55,7 @@ PARAMS = {
     WorkerMethods.ADD_LORA_TENSORS: ["lora_id", "name", "header_json", "data"],
     TestingMethods.CHECKSUMS: [],
     TestingMethods.LOAD_PLAN: ["enabled"],
+    TestingMethods.STAGE_SLOT_COPY: ["root", "sliced"],
     ActorMethods.STAGE_STORAGE: ["root", "version"],
     ActorMethods.RELEASE_STORAGE: ["root"],
 }

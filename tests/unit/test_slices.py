@@ -10,9 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from torchrl_vllm_ext.weight_sync.loading.loads import Loads, Received
 from torchrl_vllm_ext.weight_sync.loading.plan import layout_of
 from torchrl_vllm_ext.weight_sync.loading.recorder import trace
-from torchrl_vllm_ext.weight_sync.loading.slices import TensorSlice, kept_bytes, plan_slices
+from torchrl_vllm_ext.weight_sync.loading.slices import (
+    TensorSlice,
+    kept_bytes,
+    plan_slices,
+    slice_reads,
+)
 
 WORLD = 2
 HIDDEN, HEADS_DIM, VOCAB, EXPERTS = 8, 4, 11, 4  # an odd vocab: the last rank is padded
@@ -127,3 +133,91 @@ def test_a_tensor_the_model_does_not_hold_is_kept_by_no_rank():
         slices = plan_slices(plan)
         assert set(slices) == set(pushed())
         assert slices["unused"].kept == 0 and slices["unused"].runs == ()
+
+
+# ---------------------------------------------------------------- slice reads (storage)
+
+
+class Worker:
+    """What :class:`Loads` asks of vLLM's worker: its model."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def get_model(self):
+        return self.model
+
+
+def perturbed(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(t.shape, generator=gen) for n, t in pushed().items()}
+
+
+def stage_and_load(rank: int, sliced: bool, move: bool = False):
+    """A worker of rank ``rank`` traces the first push, then stages the second (its slices
+    only, or whole) and loads it in its pause; ``move``: a parameter moves in between."""
+    loads = Loads(Worker(ShardedModel(rank)))
+    slot = pushed()
+    loads.load(slot.items(), "1")  # the trace
+    slot = perturbed(1)
+    key = layout_of(list(slot.items()))
+    reads = loads.plans.reads(key) if sliced else None
+    staged = loads.copy_in(
+        slot, torch.device("cpu"), "device", None if reads is None else reads.views
+    )
+    if move:
+        loads.worker.model.o = torch.nn.Parameter(torch.zeros_like(loads.worker.model.o))
+    loads.stage(
+        "2", lambda: Received(staged, reads=reads, whole=list(slot.items()) if reads else None)
+    )
+    report = loads.load_staged("2")
+    return loads.worker.model, report, reads
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_a_worker_reads_its_slices_and_the_rest_whole_with_the_reason(rank):
+    reads = slice_reads(plans()[rank])
+    assert set(reads.views) == {
+        *(f"experts.{e}.w" for e in range(EXPERTS) if e // (EXPERTS // WORLD) != rank),
+        "embed",
+        "q",
+        "k",
+        "v",
+        "o",
+        "unused",
+    }
+    owned = {f"experts.{e}.w" for e in range(EXPERTS) if e // (EXPERTS // WORLD) == rank}
+    assert set(reads.whole) == {"norm", "scale", *owned}
+    assert reads.whole["norm"].startswith("this worker keeps every element")
+    assert reads.whole["scale"].startswith("the loader computes from it")
+    assert reads.views["unused"] == ()  # read by nobody
+    tensors = pushed()
+    sharded = sum(tensors[n].numel() * 4 for n in reads.views)
+    assert reads.sliced_received == reads.sliced_kept < sharded  # 1.0: no element read twice
+    assert reads.received_bytes == reads.kept_bytes == kept_bytes(plans()[rank])
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_a_sliced_staging_loads_bitwise_what_a_whole_staging_loads(rank):
+    whole_model, whole_report, _ = stage_and_load(rank, sliced=False)
+    sliced_model, report, reads = stage_and_load(rank, sliced=True)
+    for (name, a), (_, b) in zip(
+        whole_model.state_dict().items(), sliced_model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert whole_report.received_bytes is None and whole_report.path == report.path == "replay"
+    assert report.received_bytes == reads.received_bytes < report.nbytes
+    assert report.sliced_received_bytes == report.sliced_kept_bytes
+    assert {"norm", "scale"} <= set(report.whole) and report.whole == reads.whole
+
+
+def test_a_plan_that_no_longer_replays_at_the_pause_loads_the_whole_tensors():
+    model, report, reads = stage_and_load(0, sliced=True, move=True)
+    expected = ShardedModel(0)
+    expected.load_weights(perturbed(1).items())
+    for (name, a), (_, b) in zip(
+        expected.state_dict().items(), model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert report.path == "trace"  # the moved parameter: traced again, from the whole tensors
+    assert report.received_bytes == report.nbytes + reads.received_bytes

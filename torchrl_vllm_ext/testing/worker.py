@@ -10,15 +10,23 @@ so that the product's load path carries no test switch.
 - ``weight_checksums``: each served parameter's position-sensitive checksum (a replayed
   push and the loader must agree bitwise).
 - ``use_load_plan``: switch the worker's load plans off or on (benchmarks compare both).
+- ``stage_slot_copy``: copy the published storage slot into a host staging buffer as a GPU
+  worker stages it before its pause, its slices or every tensor whole (benchmarks compare
+  both on CPUs, where workers stage nothing).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+
+import torch
 
 from torchrl_vllm_ext.weight_sync.loading.loads import Loads
-from torchrl_vllm_ext.weight_sync.loading.plan import content_sums
+from torchrl_vllm_ext.weight_sync.loading.plan import content_sums, layout_of
+from torchrl_vllm_ext.weight_sync.loading.staging import StagingArea
+from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotReader
 from torchrl_vllm_ext.weight_sync.worker import WeightSyncWorkerExtension, WorkerWeightSync
 
 logger = logging.getLogger(__name__)
@@ -43,6 +51,8 @@ class TestingMethods:
     """() -> {parameter name: position-sensitive checksum} of the served parameters."""
     LOAD_PLAN = "use_load_plan"
     """(enabled: bool | None = None) -> whether this worker's in-place loads use plans."""
+    STAGE_SLOT_COPY = "stage_slot_copy"
+    """(root: str, sliced: bool) -> {"seconds", "bytes"} of one staging copy of the slot."""
 
 
 def broken_for(knob: str, version: str) -> set[str]:
@@ -89,3 +99,23 @@ class TestingWorkerExtension(WeightSyncWorkerExtension):
         if enabled is not None:
             plans.enabled = bool(enabled)
         return plans.enabled
+
+    def stage_slot_copy(self, root: str, sliced: bool) -> dict:
+        """Copy the published slot of ``root`` into a host staging buffer (reserved at the
+        first call and kept) the way a GPU worker stages it: only the views its load plan
+        reads (``sliced``; the plan the CPU pause replays, traced by an earlier push) or
+        every tensor whole. ``{"seconds": of the copy, "bytes": copied}``."""
+        readers = self.__dict__.setdefault("bench_readers", {})
+        reader = readers.setdefault(root, SlotReader(root))
+        _, tensors = reader.read(verify=False)
+        area = self.__dict__.setdefault("bench_staging", StagingArea())
+        specs = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+        area.reserve(specs, "device", torch.device("cpu"))  # plain host memory on CPUs
+        reads = WorkerWeightSync.of(self).loads.plans.reads(layout_of(tensors.items()))
+        if sliced and reads is None:
+            raise RuntimeError(f"no load plan for the layout of {root}: push it once first")
+        start = time.perf_counter()
+        area.fill(tensors, slices=reads.views if sliced else None)
+        seconds = time.perf_counter() - start
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        return {"seconds": seconds, "bytes": reads.received_bytes if sliced else nbytes}

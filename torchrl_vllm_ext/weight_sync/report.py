@@ -52,9 +52,11 @@ class SyncReport:
     """Per replica, per worker: how it loaded (``path``: ``replay`` of its load plan,
     ``scatter`` of a delta's changed values through it, ``trace`` on the first push of a
     layout, ``loader``, or ``layerwise`` for MoE / quantized / CPU-packed models;
-    ``nbytes`` (received), ``kept_bytes`` (its slices: :attr:`kept_share`),
-    ``replayed_bytes`` (a scatter's: the bytes it wrote), ``why``:
-    :class:`~torchrl_vllm_ext.weight_sync.loading.planned.LoadReport`)."""
+    ``nbytes`` (pushed), ``received_bytes`` (what it read: a storage worker reads its
+    slices; None: every byte), ``kept_bytes`` (its slices: :attr:`kept_share`),
+    ``sliced_received_bytes`` / ``sliced_kept_bytes`` and ``whole`` (the tensors it read
+    whole, with the reason: :attr:`reads`), ``replayed_bytes`` (a scatter's: the bytes it
+    wrote), ``why``: :class:`~torchrl_vllm_ext.weight_sync.loading.planned.LoadReport`)."""
 
     sent_bytes: int = 0
     """Bytes the transport moved: the full push's (cast to the served dtype with delta
@@ -81,15 +83,78 @@ class SyncReport:
 
     @property
     def kept_share(self) -> float | None:
-        """What the workers keep of what they received, summed over every worker whose
-        load plan says (1.0: every worker keeps every byte it got; a tensor-parallel
-        replica's workers keep about 1 / TP of the sharded tensors); None: none says."""
+        """What the workers keep of the pushed bytes, summed over every worker whose
+        load plan says (1.0: every worker keeps every byte; a tensor-parallel replica's
+        workers keep about 1 / TP of the sharded tensors); None: none says."""
         reported = [w for ws in self.loads.values() for w in ws if w.get("kept_bytes") is not None]
         received = sum(w["nbytes"] for w in reported)
         return sum(w["kept_bytes"] for w in reported) / received if received else None
+
+    @property
+    def reads(self) -> dict[int, list[WorkerReads]]:
+        """Per replica, per worker: the bytes it received against those it keeps."""
+        return {rid: [WorkerReads.of(w) for w in ws] for rid, ws in self.loads.items()}
 
     @property
     def replayed_share(self) -> float | None:
         """The share of the loaded bytes that replayed (None: no worker reported)."""
         total = sum(w.get("nbytes", 0) for ws in self.loads.values() for w in ws)
         return self.replayed_bytes / total if total else None
+
+
+@dataclass(frozen=True)
+class WorkerReads:
+    """What one worker received of a push against what it keeps (a storage worker reads
+    only its slices of the tensors its load plan cuts).
+
+    Examples:
+        >>> w = WorkerReads.of({"nbytes": 100, "received_bytes": 60, "kept_bytes": 60,
+        ...                     "sliced_received_bytes": 40, "sliced_kept_bytes": 40,
+        ...                     "whole": {"norm": "replicated"}})
+        >>> w.received_share, w.sliced_ratio, w.whole
+        (0.6, 1.0, {'norm': 'replicated'})
+    """
+
+    nbytes: int
+    """Bytes pushed."""
+    received: int
+    """Bytes it read (every byte, where the transport hands it every tensor whole)."""
+    kept: int | None
+    """Bytes it keeps (its load plan's slices); None: no plan says."""
+    sliced_received: int | None
+    """Of ``received``, the bytes of the tensors it read as slices (None: none)."""
+    sliced_kept: int | None
+    """Of ``kept``, those tensors' bytes."""
+    whole: dict[str, str]
+    """Tensors it read whole although it had a plan: name -> why."""
+
+    @classmethod
+    def of(cls, load: dict) -> WorkerReads:
+        """From one worker's entry of :attr:`SyncReport.loads`."""
+        received = load.get("received_bytes")
+        return cls(
+            load["nbytes"],
+            load["nbytes"] if received is None else received,
+            load.get("kept_bytes"),
+            load.get("sliced_received_bytes"),
+            load.get("sliced_kept_bytes"),
+            dict(load.get("whole") or {}),
+        )
+
+    @property
+    def received_share(self) -> float:
+        """``received`` over the bytes pushed (1.0: every tensor whole)."""
+        return self.received / self.nbytes if self.nbytes else 0.0
+
+    @property
+    def received_over_kept(self) -> float | None:
+        """``received`` over ``kept`` (1.0: it received only what it keeps)."""
+        return self.received / self.kept if self.kept else None
+
+    @property
+    def sliced_ratio(self) -> float | None:
+        """Bytes received over bytes kept of the tensors read as slices (1.0: exactly its
+        share; None: none read as slices)."""
+        if not self.sliced_kept:
+            return None
+        return self.sliced_received / self.sliced_kept

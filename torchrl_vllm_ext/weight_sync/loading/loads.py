@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,6 +25,7 @@ from torchrl_vllm_ext.errors import WeightSyncError
 from torchrl_vllm_ext.weight_sync import cpu_layout
 from torchrl_vllm_ext.weight_sync.loading.planned import LoadReport, PlannedLoader, model_state
 from torchrl_vllm_ext.weight_sync.loading.scatter import Changes
+from torchrl_vllm_ext.weight_sync.loading.slices import SliceReads
 from torchrl_vllm_ext.weight_sync.loading.staging import StagingArea, StagingPlace, staging_place
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,12 @@ class Received:
 
     named: Named
     changes: Changes | None = None
+    reads: SliceReads | None = None
+    """Only these views of the tensors were staged (a storage worker's slices): the pause
+    must replay the plan they came from, or load ``whole`` instead."""
+    whole: Named | None = None
+    """With ``reads``: the whole tensors (the storage slot's), for a pause whose plan no
+    longer replays (a parameter moved since staging)."""
 
 
 @dataclass
@@ -109,7 +116,18 @@ class Loads:
         self.staged = None
         if staged.error is not None:
             raise staged.error
-        named = staged.result.named
+        result = staged.result
+        named = result.named
+        if result.reads is not None:
+            state = functools.partial(model_state, self.worker.get_model())
+            if not self.plans.replays(named, state):
+                # Only the plan's views were staged and it no longer replays: the slot's
+                # whole tensors, which the loader may read anywhere.
+                logger.info("the load plan changed since staging: loading the whole tensors")
+                report = self.load(result.whole, version)
+                staged_bytes = 0 if result.whole is named else result.reads.received_bytes
+                received = report.nbytes + staged_bytes
+                return replace(report, received_bytes=received)
         # Staged in pinned host memory for a GPU: one batched non-blocking copy, one sync
         # (a slot's own pages, not pinned, copy as they come).
         pinned = (
@@ -118,7 +136,8 @@ class Loads:
             and torch.cuda.is_available()
             and named[0][1].is_pinned()
         )
-        return self.load(named, version, non_blocking=pinned, changes=staged.result.changes)
+        report = self.load(named, version, non_blocking=pinned, changes=result.changes)
+        return report if result.reads is None else report.read_as(result.reads)
 
     def _staged(self, version: str) -> Staged:
         if self.staged is None or self.staged.version != version:
@@ -128,9 +147,10 @@ class Loads:
             )
         return self.staged
 
-    def copy_in(self, tensors, device, place: StagingPlace) -> Named:
+    def copy_in(self, tensors, device, place: StagingPlace, slices=None) -> Named:
         """Copy ``tensors`` into the staging buffer on ``device`` (or pinned host memory:
-        ``place``), on a side stream so the engine's own work is not ordered behind it."""
+        ``place``), on a side stream so the engine's own work is not ordered behind it;
+        ``slices``: only those views of the tensors they name (:meth:`.StagingArea.fill`)."""
         specs = [(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
         if self.staging.reserve(specs, place, device):
             logger.info(
@@ -138,9 +158,9 @@ class Loads:
                 self.staging.nbytes / 1e9,
                 f"on {device}" if place == "device" else "in pinned host memory",
             )
-        stream = torch.cuda.Stream(device) if place == "device" else None
+        stream = torch.cuda.Stream(device) if place == "device" and device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            staged = self.staging.fill(tensors, non_blocking=place == "device")
+            staged = self.staging.fill(tensors, non_blocking=place == "device", slices=slices)
         if stream is not None:
             stream.synchronize()
         return staged

@@ -26,7 +26,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -39,7 +39,7 @@ from torchrl_vllm_ext.weight_sync.loading.plan import (
 )
 from torchrl_vllm_ext.weight_sync.loading.recorder import trace
 from torchrl_vllm_ext.weight_sync.loading.scatter import Changes, scatter
-from torchrl_vllm_ext.weight_sync.loading.slices import kept_bytes
+from torchrl_vllm_ext.weight_sync.loading.slices import SliceReads, kept_bytes, slice_reads
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,32 @@ class LoadReport:
     """Of ``nbytes``, the bytes this worker keeps: its slices of the pushed tensors, read
     off its load plan (:mod:`.slices`; a tensor-parallel rank keeps its shards); None where
     no plan says (the loader's loads)."""
+    received_bytes: int | None = None
+    """Of ``nbytes``, the bytes this worker read (a storage worker reads only its slices of
+    the tensors its plan slices: :func:`~.slices.slice_reads`); None: every byte (the
+    transport hands each worker every tensor whole)."""
+    sliced_received_bytes: int | None = None
+    """Of ``received_bytes``, the tensors read as slices (their views)."""
+    sliced_kept_bytes: int | None = None
+    """Of ``kept_bytes``, those same tensors' (the ratio is 1.0 when no two copies of the
+    plan read one element)."""
+    whole: dict[str, str] | None = None
+    """Tensors a slice read read whole: name -> why (the loader computes from it; replicated)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def read_as(self, reads: SliceReads | None) -> LoadReport:
+        """This report with what the worker read: ``reads`` (its slices), or every byte."""
+        if reads is None:
+            return replace(self, received_bytes=self.nbytes)
+        return replace(
+            self,
+            received_bytes=reads.received_bytes,
+            sliced_received_bytes=reads.sliced_received,
+            sliced_kept_bytes=reads.sliced_kept,
+            whole=dict(reads.whole),
+        )
 
 
 def enabled_by_env() -> bool:
@@ -103,6 +126,7 @@ class PlannedLoader:
         self._plans: OrderedDict[tuple, LoadPlan | str] = OrderedDict()
         self._bound: dict[tuple, BoundPlan] = {}
         self._kept: dict[tuple, int] = {}
+        self._reads: dict[tuple, SliceReads] = {}
         self.written: tuple | None = None
         """The layout whose plan the last load wrote through (replay, trace, scatter);
         None after any other load (the loader's, a failed one)."""
@@ -112,11 +136,33 @@ class PlannedLoader:
         (not traced yet)."""
         return self._plans.get(layout_of(named))
 
+    def reads(self, key: tuple) -> SliceReads | None:
+        """What this worker reads of each tensor of layout ``key`` (:func:`.slices.slice_reads`),
+        or None: no plan of it (not traced yet, refused, or plans off)."""
+        plan = self._plans.get(key)
+        if not self.enabled or not isinstance(plan, LoadPlan):
+            return None
+        if key not in self._reads:
+            self._reads[key] = slice_reads(plan)
+        return self._reads[key]
+
+    def replays(self, named, state: Callable[[], Mapping[str, torch.Tensor]]) -> bool:
+        """Whether :meth:`load` of ``named`` would replay its layout's plan (a plan, still
+        bound to the model's tensors), reading only the plan's views of them."""
+        key = layout_of(named)
+        plan = self._plans.get(key)
+        if not self.enabled or not isinstance(plan, LoadPlan):
+            return False
+        bound = self._bound.get(key)
+        live = state()
+        return (bound is not None and bound.valid(live)) or plan.bind(live) is not None
+
     def forget(self) -> None:
         """Drop every plan (the next push of each layout is traced again)."""
         self._plans.clear()
         self._bound.clear()
         self._kept.clear()
+        self._reads.clear()
         self.written = None
 
     def scatter(
@@ -252,11 +298,14 @@ class PlannedLoader:
 
     def _remember(self, key: tuple, plan: LoadPlan | str) -> None:
         self._plans[key] = plan
+        self._kept.pop(key, None)  # worked out from the plan it replaces
+        self._reads.pop(key, None)
         self._plans.move_to_end(key)
         while len(self._plans) > self.keep:
             old, _ = self._plans.popitem(last=False)
             self._bound.pop(old, None)
             self._kept.pop(old, None)
+            self._reads.pop(old, None)
 
 
 def _reasons(loader: dict[str, str], limit: int = 3) -> str:

@@ -7,6 +7,12 @@ from it) is kept whole; one it skipped, not at all. Slices are element runs
 ``[start, stop)`` of the tensor, flattened in its pushed (contiguous) layout, merged and
 sorted: what a push would have to send that worker, and what it receives beyond that
 today (every worker gets every tensor whole).
+
+:func:`slice_reads` says what a worker reads of each tensor of a layout (a storage worker
+copies only those views out of the slot: :mod:`...transports.storage.receiver`): the
+views its plan's copies read, or the whole tensor, with the reason, where the plan cannot
+slice it (the loader computes from it) or there is nothing to cut (every element kept:
+replicated, or an expert the worker owns).
 """
 
 from __future__ import annotations
@@ -107,6 +113,67 @@ def plan_slices(plan: LoadPlan) -> dict[str, TensorSlice]:
             runs = views.get(name)
             slices[name] = TensorSlice.of(numel, np.concatenate(runs) if runs else [])
     return slices
+
+
+@dataclass(frozen=True)
+class SliceReads:
+    """What one worker reads of each pushed tensor of a layout: a sliced tensor through
+    the views its plan's copies read, the others whole (``whole``: name -> why); a tensor
+    its model holds nothing of, not at all.
+
+    Examples:
+        >>> import torch
+        >>> from torchrl_vllm_ext.weight_sync.loading.recorder import trace
+        >>> model = torch.nn.Linear(2, 1, bias=False).requires_grad_(False)
+        >>> def load_weights(weights):  # rank 0 of 2 of a row-parallel layer
+        ...     for _, w in weights:
+        ...         model.weight.data.copy_(w[:, :2])
+        >>> plan = trace(load_weights, [("w", torch.ones(1, 4))], dict(model.named_parameters()))
+        >>> reads = slice_reads(plan)
+        >>> reads.views["w"], reads.received_bytes, reads.kept_bytes, reads.whole
+        ((View(offset=0, size=(1, 2), stride=(4, 1)),), 8, 8, {})
+    """
+
+    views: dict[str, tuple[View, ...]]
+    """Sliced tensors: the views of each that the plan's copies read (read only those)."""
+    whole: dict[str, str]
+    """Tensors read whole: name -> why (the loader computes from it; every element kept)."""
+    received_bytes: int
+    """Bytes read: the views' (an element two copies read counts twice) and the whole
+    tensors'."""
+    kept_bytes: int
+    """Bytes kept (:func:`kept_bytes`)."""
+    sliced_received: int
+    """Of ``received_bytes``, the sliced tensors' (their views)."""
+    sliced_kept: int
+    """Of ``kept_bytes``, the sliced tensors' (``sliced_received / sliced_kept``: 1.0 when
+    no two copies read one element)."""
+
+
+def slice_reads(plan: LoadPlan) -> SliceReads:
+    """What a worker with ``plan`` reads of each tensor of its layout (:class:`SliceReads`)."""
+    views: dict[str, list[View]] = {}
+    for copy in plan.copies:
+        views.setdefault(copy.source, []).append(copy.src)
+    slices = plan_slices(plan)
+    sliced, whole = {}, {}
+    received = kept = sliced_received = sliced_kept = 0
+    for name, shape, _, dtype, _ in plan.layout:
+        s, size = slices[name], dtype.itemsize
+        kept += s.kept * size
+        if name in plan.loader:
+            whole[name] = f"the loader computes from it ({plan.loader[name]})"
+        elif s.whole:
+            whole[name] = "this worker keeps every element (replicated, or all its own)"
+        else:
+            sliced[name] = tuple(views.get(name, ()))
+            read = sum(v.numel for v in sliced[name]) * size
+            received += read
+            sliced_received += read
+            sliced_kept += s.kept * size
+            continue
+        received += math.prod(shape) * size
+    return SliceReads(sliced, whole, received, kept, sliced_received, sliced_kept)
 
 
 def kept_bytes(plan: LoadPlan) -> int:

@@ -29,6 +29,8 @@ from typing import Literal
 
 import torch
 
+from torchrl_vllm_ext.weight_sync.loading.plan import View
+
 StagingPlace = Literal["device", "pinned", "mapped"]
 
 GIB = 1 << 30
@@ -137,13 +139,38 @@ class StagingArea:
         return True
 
     def fill(
-        self, tensors: Mapping[str, torch.Tensor], non_blocking: bool = False
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        non_blocking: bool = False,
+        slices: Mapping[str, Sequence[View]] | None = None,
     ) -> list[tuple[str, torch.Tensor]]:
-        """Copy ``tensors`` into their reserved views (one batched copy); the staged views."""
+        """Copy ``tensors`` into their reserved views (one batched copy); the staged views.
+        ``slices``: of the tensors it names, only those views are copied (a worker's slice,
+        :func:`~.slices.slice_reads`); the rest of their staged elements are left as they
+        were, for a replay of the plan that reads only those views.
+
+        Examples:
+            >>> area = StagingArea()
+            >>> _ = area.reserve([("w", (2, 4), torch.float32)], "device", torch.device("cpu"))
+            >>> _ = area.fill({"w": torch.zeros(2, 4)})
+            >>> columns = View(offset=0, size=(2, 2), stride=(4, 1))
+            >>> staged = area.fill({"w": torch.ones(2, 4)}, slices={"w": [columns]})
+            >>> staged[0][1].tolist()
+            [[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]]
+        """
         names = list(tensors)
-        dsts = [self.views[n] for n in names]
-        torch._foreach_copy_(dsts, [tensors[n] for n in names], non_blocking=non_blocking)
-        return list(zip(names, dsts, strict=True))
+        slices = slices or {}
+        dsts, srcs = [], []
+        for n in names:
+            if n in slices:
+                dsts += [v.on(self.views[n]) for v in slices[n]]
+                srcs += [v.on(tensors[n]) for v in slices[n]]
+            else:
+                dsts.append(self.views[n])
+                srcs.append(tensors[n])
+        if dsts:
+            torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+        return [(n, self.views[n]) for n in names]
 
     def release(self) -> None:
         """Drop the buffer (its memory is freed once no staged view is in use)."""

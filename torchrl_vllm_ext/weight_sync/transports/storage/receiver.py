@@ -1,6 +1,19 @@
 """The storage transport's receiver (vLLM worker side): load the published slot, or stage
 it on the GPU before the pause. Its sender: :mod:`.sender`; the replica actor's checksum
-pass: :mod:`.actor`."""
+pass: :mod:`.actor`.
+
+**Slice reads**: once a layout's load plan is traced, a worker reads of each tensor only
+the views its plan copies (a tensor-parallel rank's shards, the experts it owns:
+:func:`~torchrl_vllm_ext.weight_sync.loading.slices.slice_reads`), not the whole tensor:
+a GPU worker stages only those views (the pause's replay reads nothing else); on CPUs the
+pause replays the plan from the mapped slot, which reads only those views too. Tensors
+the plan cannot slice (the loader computes from them, replicated ones) are read whole and
+named in the report with the reason; a push with no plan (the first of a layout, plans
+off, a refused plan) reads every tensor whole; a plan that no longer replays at the pause
+(a parameter moved since staging) loads the slot's whole tensors. The value check is the
+replica actor's checksum of the whole published slot, before the pause (:mod:`.actor`):
+every slice a worker then reads lies in what it verified.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +22,8 @@ import logging
 import psutil
 import torch
 
-from torchrl_vllm_ext.weight_sync.loading.loads import Loads
+from torchrl_vllm_ext.weight_sync.loading.loads import Loads, Received
+from torchrl_vllm_ext.weight_sync.loading.slices import SliceReads
 from torchrl_vllm_ext.weight_sync.loading.staging import headroom, staging_place
 from torchrl_vllm_ext.weight_sync.transports.storage.slots import SlotReader
 
@@ -53,7 +67,9 @@ class StorageReceiver:
         ``{"version", "path", "nbytes", "replayed_bytes", "why"}``."""
         manifest, tensors = self._reader(path).read(version, verify=False)
         report = self.loads.load(tensors.items(), manifest.version)
-        return {"version": manifest.version, **report.as_dict()}
+        # The replay copies the plan's views straight out of the mapped slot.
+        reads = self._reads(tensors, "cpu") if report.path == "replay" else None
+        return {"version": manifest.version, **report.read_as(reads).as_dict()}
 
     def stage_weights_from_storage(self, path: str, version: str) -> str:
         """GPU workers: copy the published slot of ``path`` (checksummed by the replica
@@ -89,11 +105,21 @@ class StorageReceiver:
                 host_free / 1e9,
                 copies,
             )
+        whole = list(tensors.items())
         if place == "mapped":
             area.release()  # a pinned copy of an earlier layout is of no use now
-            self.loads.stage(manifest.version, lambda: list(tensors.items()))
+            reads = self._reads(tensors, "cpu")  # the pause reads the slot's views
+            self.loads.stage(manifest.version, lambda: Received(whole, reads=reads, whole=whole))
         else:
-            self.loads.stage(manifest.version, lambda: self.loads.copy_in(tensors, device, place))
+            # Only this worker's slices, once its plan says what they are.
+            reads = self._reads(tensors, "cuda" if place == "device" else "cpu")
+            slices = None if reads is None else reads.views
+
+            def copy_slices() -> Received:
+                named = self.loads.copy_in(tensors, device, place, slices)
+                return Received(named, reads=reads, whole=whole if reads else None)
+
+            self.loads.stage(manifest.version, copy_slices)
         return place
 
     def release_weight_storage(self, path: str) -> bool:
@@ -103,6 +129,14 @@ class StorageReceiver:
         if reader is not None:
             reader.close()
         return reader is not None
+
+    def _reads(self, tensors: dict[str, torch.Tensor], device_type: str) -> SliceReads | None:
+        """What this worker reads of ``tensors`` once they are on ``device_type`` (the
+        plan of that layout), or None (no plan yet: read whole)."""
+        key = tuple(
+            (n, tuple(t.shape), t.stride(), t.dtype, device_type) for n, t in tensors.items()
+        )
+        return self.loads.plans.reads(key)
 
     def _reader(self, path: str) -> SlotReader:
         if path not in self.readers:
