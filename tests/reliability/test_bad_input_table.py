@@ -32,7 +32,7 @@ from torchrl_vllm_ext.weight_sync.transports.storage.slots import CURRENT, SlotW
 
 from ..helpers import wait_ready
 
-OK = {"max_tokens": 2}
+OK = {"max_tokens": 2, "ignore_eos": True}  # exactly 2 tokens, even if EOS is drawn
 # A message says what to do about it: one of these words appears in every one of them.
 FIX = re.compile(
     r"\b(pass|use|check|push|launch|give|put|cast|truncate|tokenize|add|build|must|needs?|"
