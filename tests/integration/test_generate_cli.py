@@ -20,7 +20,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from torchrl_vllm_ext import ConfigurationError
+from torchrl_vllm_ext import ConfigurationError, leftovers
 from torchrl_vllm_ext.cli import build_parser
 from torchrl_vllm_ext.jobs import generate
 from torchrl_vllm_ext.jobs.generate_store import OutputDir, load_output
@@ -222,6 +222,12 @@ def test_command_killed_and_resumed(service, tiny_model, tokenizer, tmp_path, ca
             if p.is_running():
                 p.kill()
     assert not leaked, f"processes outlived the killed command: {leaked}"
+    # A SIGKILLed replica cannot remove its directories; the next start reaps them. The
+    # resumption below reuses the session's service (started before), so reap here.
+    killed = {proc.pid} | {p.pid for p, _ in family}
+    leftovers.reap()
+    kept = [d.path for d in leftovers.leftovers() if d.owner and d.owner.pid in killed]
+    assert not kept, f"reap kept the killed command's directories: {kept}"
     done = rows_done()
     assert 4 <= done < rows
     with pytest.raises(
