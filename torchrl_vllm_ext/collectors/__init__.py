@@ -5,9 +5,12 @@ from torchrl_vllm_ext.collectors.partial import (
     StaleTokens,
     VersionSpan,
     exclude_stale_tokens,
+    has_token_versions,
     mask_stale_tokens,
+    sample_token_versions,
     stale_prefix,
     token_spans,
+    version_runs,
 )
 from torchrl_vllm_ext.collectors.rollout_queue import BusyClock, QueuedBatch, RolloutQueue
 from torchrl_vllm_ext.collectors.staleness import (
@@ -30,8 +33,11 @@ __all__ = [
     "VersionSpan",
     "WeightSyncUpdater",
     "exclude_stale_tokens",
+    "has_token_versions",
     "mask_stale_tokens",
+    "sample_token_versions",
     "sample_versions",
     "stale_prefix",
     "token_spans",
+    "version_runs",
 ]
