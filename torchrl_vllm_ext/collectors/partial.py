@@ -103,6 +103,8 @@ def token_spans(
     if end == start or end_from <= 0:
         version = end if end_from <= 0 else start
         return [VersionSpan(version, version, 0, length)]
+    if end_from >= length:  # finished before the push: no token of ``end``'s
+        return [VersionSpan(start, end - 1, 0, length)]
     return [VersionSpan(start, end - 1, 0, end_from), VersionSpan(end, end, end_from, length)]
 
 
