@@ -179,15 +179,21 @@ class RequestBatch:
 
     @property
     def end_version_from(self) -> np.ndarray:
-        """Index of each sample's first token made with ``versions_end`` (S,): its last
-        switch; its length when its request's versions differ but no push made a token
-        of it (it finished first); 0 when they are equal (every token is ``end``'s)."""
-        counts = self.switch_counts
-        req = self.request_of_sample.tolist()
-        crossed = np.array([self.versions_start[r] != self.versions_end[r] for r in req], bool)
-        out = np.where(crossed, self.sample_lengths, 0).astype(np.int64)
-        has = counts > 0
-        out[has] = self.switch_tokens[(np.cumsum(counts) - 1)[has]]
+        """Index of each sample's first token made with its request's ``versions_end``
+        (S,): its last switch when that switch was to the end version; its length when
+        the request's versions differ but the end version made no token of it (it
+        finished first); 0 when they are equal (every token is ``end``'s)."""
+        ends = [self.versions_end[r] for r in self.request_of_sample.tolist()]
+        starts = [self.versions_start[r] for r in self.request_of_sample.tolist()]
+        out = np.where(
+            np.array([s != e for s, e in zip(starts, ends, strict=True)], bool),
+            self.sample_lengths,
+            0,
+        ).astype(np.int64)
+        last = np.cumsum(self.switch_counts) - 1
+        for s in np.flatnonzero(self.switch_counts).tolist():
+            if starts[s] != ends[s] and self.switch_versions[last[s]] == ends[s]:
+                out[s] = self.switch_tokens[last[s]]
         return out
 
     def token_versions(self, missing: int = -1) -> np.ndarray:

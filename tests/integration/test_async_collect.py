@@ -26,6 +26,7 @@ from torchrl_vllm_ext.collectors import (
     token_spans,
     version_runs,
 )
+from torchrl_vllm_ext.wrappers.convert import generated_padded, generated_rows
 
 from ..helpers import wait_until
 
@@ -164,89 +165,105 @@ def test_keep_sync_mid_generation_tags_start_and_end(service, trainer):
     assert kept == expected
 
 
-def kv_usage(service, replica_id: int) -> float:
-    """The share of a replica's KV-cache blocks in use: it grows as its generations make
-    tokens (a block per 16 tokens), the progress signal the tests below push on."""
-    return next(s.kv_cache_usage for s in service.stats() if s.replica_id == replica_id)
+# ---------------------------------------------------------------------- version spans
+# Requests of one replica call with different max_tokens finish one by one: the replica's
+# running count falls as the generations make tokens, the progress signal these tests push
+# on. At each step the service freezes generation (pause "keep", the cache kept), the push
+# lands at a known point, and generation resumes: no timing race with the push's length.
+HEAD = list(range(10, 42))  # the same first 32 tokens: prefix routing, one replica
 
 
-def serving_replica(service) -> int:
-    """The one replica with a request in flight (once there is one)."""
-    busy = wait_until(
-        lambda: [s.replica_id for s in service.stats() if s.running], 30, what="generation"
-    )
-    assert len(busy) == 1, busy
-    return busy[0]
+def running(service) -> int:
+    """Requests running on the busiest replica."""
+    return max(s.running for s in service.stats())
 
 
-def generated_more(service, replica_id: int, fut) -> float:
-    """Wait until the replica's generation made a new KV block (tokens made since the
-    call) and return the usage then; fails if the generation ended first."""
-    before = kv_usage(service, replica_id)
-    wait_until(lambda: fut.done() or kv_usage(service, replica_id) > before, 30, what="new tokens")
-    assert not fut.done(), "the generation ended before the push: lengthen it"
-    return kv_usage(service, replica_id)
+def until_running(service, fut, n: int, what: str) -> None:
+    """Wait until at most ``n`` requests run (the others finished), having seen more."""
+    wait_until(lambda: fut.done() or running(service) > n, 30, what="the requests to start")
+    wait_until(lambda: fut.done() or running(service) <= n, 60, interval=0.005, what=what)
+
+
+def frozen_push(service, scheme, trainer, version: int, fut) -> None:
+    """Freeze generation, push ``version`` into the requests in flight, resume."""
+    service.pause("keep", clear_cache=False)
+    try:
+        assert not fut.done(), "the generation ended before the push: lengthen it"
+        perturb(trainer, seed=version)
+        scheme.push(trainer, version=version)
+    finally:
+        service.resume()
+
+
+def runs_of(batch) -> list[list[int]]:
+    """Each sample's run versions (one per span of equal versions)."""
+    rows = np.split(batch.token_versions(), np.cumsum(batch.sample_lengths)[:-1])
+    return [[v for v, _, _ in version_runs(r)] for r in rows]
 
 
 def test_two_keep_pushes_inside_one_generation_give_three_spans(service, trainer):
-    policy = VLLMPolicy(
-        service,
-        input_mode="tokens",
-        sampling_params={"max_tokens": 240, "ignore_eos": True, "temperature": 1.0},
-    )
-    prompt = lazy_stack([TensorDict({("tokens", "prompt"): torch.tensor([9, 6, 7, 8])})])
+    # long: pushes 2 and 3 land inside it; mid: push 3 after it finished; short: both.
+    # (~3 ms a token on 2 cores: each finishes 100+ ms after the one before.)
+    lengths = [220, 120, 40]
+    params = [{"max_tokens": n, "ignore_eos": True, "temperature": 1.0} for n in lengths]
+    prompts = [[*HEAD, 50 + i] for i in range(3)]
     with (
         WeightSyncScheme(service, transport="storage", pause_mode="keep") as scheme,
         concurrent.futures.ThreadPoolExecutor(1) as pool,
     ):
         scheme.push(trainer, version=1)
-        fut = pool.submit(policy, prompt)
-        rid = serving_replica(service)
-        for version in (2, 3):  # each only once the weights before made tokens
-            generated_more(service, rid, fut)
-            perturb(trainer, seed=version)
-            scheme.push(trainer, version=version)
-        out = fut.result(timeout=120)
-    versions = out.get(("vllm", "token_weight_version"))[0]
-    assert versions.shape == out.get(("tokens", "response"))[0].shape == (240,)
-    spans = token_spans(1, 3, 0, 240, token_versions=versions)
-    assert [s.first_version for s in spans] == [1, 2, 3], spans
-    assert all(s.token_to > s.token_from for s in spans)
-    # The three per-sample keys still say the first and last version and where it began.
-    assert out.get(("vllm", "weight_version")).tolist() == ["1"]
-    assert out.get(("vllm", "weight_version_end")).tolist() == ["3"]
-    assert out.get(("vllm", "weight_version_end_from")).tolist() == [spans[2].token_from]
+        fut = pool.submit(service.generate_request_batch, prompts, params, routing="prefix")
+        until_running(service, fut, 2, "the short one to finish")
+        frozen_push(service, scheme, trainer, 2, fut)
+        until_running(service, fut, 1, "the mid one to finish")
+        frozen_push(service, scheme, trainer, 3, fut)
+        batch = fut.result(timeout=120)
+    assert len(set(batch.replica_ids.tolist())) == 1  # one replica call
+    assert batch.sample_lengths.tolist() == lengths
+    assert runs_of(batch) == [[1, 2, 3], [1, 2], [1]]
+    assert batch.versions_start == ["1"] * 3 and batch.versions_end == ["3"] * 3
+    # The policy's layouts: one version per response token, padding -1.
+    padded = generated_padded(batch, pad_token_id=0)
+    versions = padded.get(("vllm", "token_weight_version"))
+    assert versions.shape == padded.get(("tokens", "response")).shape
+    assert (versions[2, 40:] == -1).all() and (versions[0] >= 1).all()
+    rows = generated_rows(batch)
+    assert [r.get(("vllm", "token_weight_version")).numel() for r in rows] == lengths
+    spans = token_spans(1, 3, 0, 220, token_versions=versions[0])
+    assert [s.first_version for s in spans] == [1, 2, 3]
+    assert spans[0].token_to >= 40 and spans[1].token_to >= 120
+    # The three per-sample keys: the last switch of each; every token of the short one
+    # (and of the mid one, for version 3) before it.
+    assert padded.get(("vllm", "weight_version_end_from")).tolist() == [
+        spans[2].token_from,
+        120,
+        40,
+    ]
     # The bound reads each token's own version: with lag 1 at version 3 only version 1's
     # tokens leave the loss (the three keys alone would take out version 2's too).
-    mask_stale_tokens(out, current_version=3, max_policy_lag=1)
-    kept = int(out.get(("masks", "all_assistant_mask"))[0].sum())
-    assert kept == 240 - spans[0].token_to
+    mask_stale_tokens(padded, current_version=3, max_policy_lag=1)
+    kept = padded.get(("masks", "all_assistant_mask")).sum(-1).tolist()
+    assert kept[0] == 220 - spans[0].token_to and kept[2] == 0
 
 
 def test_a_request_finished_before_a_keep_push_keeps_its_version(service, trainer):
-    # Two requests of one replica call: the short one finishes, the long one is still
+    # Two requests of one replica call: the short one finished, the long one still
     # running when the push lands; none of the short one's tokens is the push's.
-    short = {"max_tokens": 3, "ignore_eos": True, "temperature": 1.0}
-    long = {"max_tokens": 200, "ignore_eos": True, "temperature": 1.0}
-    prompt = [11, 12, 13, 14, 15, 16, 17, 18]  # equal prompts: one replica (prefix routing)
+    params = [{"max_tokens": n, "ignore_eos": True, "temperature": 1.0} for n in (40, 200)]
+    prompt = [*HEAD, 60]
     with (
         WeightSyncScheme(service, transport="storage", pause_mode="keep") as scheme,
         concurrent.futures.ThreadPoolExecutor(1) as pool,
     ):
         scheme.push(trainer, version=1)
         fut = pool.submit(
-            service.generate_request_batch, [prompt, prompt], [short, long], routing="prefix"
+            service.generate_request_batch, [prompt, prompt], params, routing="prefix"
         )
-        rid = serving_replica(service)
-        generated_more(service, rid, fut)  # the long one is past its 8th token: short done
-        perturb(trainer, seed=11)
-        scheme.push(trainer, version=2)
+        until_running(service, fut, 1, "the short one to finish")
+        frozen_push(service, scheme, trainer, 2, fut)
         batch = fut.result(timeout=120)
-    assert batch.replica_ids.tolist() == [rid, rid]  # one call, so the bug's setting
-    assert batch.sample_lengths.tolist() == [3, 200]
-    versions = np.split(batch.token_versions(), [3])
-    assert versions[0].tolist() == [1, 1, 1]
-    runs = [v for v, _, _ in version_runs(versions[1])]
-    assert runs == [1, 2], runs
+    assert len(set(batch.replica_ids.tolist())) == 1  # one call: the bug's setting
+    assert batch.sample_lengths.tolist() == [40, 200]
+    assert runs_of(batch) == [[1], [1, 2]]
     assert batch.versions_end == ["2", "2"]
-    assert batch.end_version_from.tolist()[0] == 3  # every token before the end version's
+    assert batch.end_version_from.tolist()[0] == 40  # every token before the end version's

@@ -334,3 +334,16 @@ def test_rollout_recorder_without_the_key_records_the_oldest_possible_versions(t
     rec = RolloutRecorder(tmp_path / "r", steps=1, rows=2, prompt_len=2, response_len=6)
     rec.record(0, td)
     assert rec.td[0, 0]["token_weight_version"].tolist() == [1, 1, 1, 1, 3, 3]
+
+
+def test_a_sample_finished_between_two_pushes_has_no_end_version_token():
+    # Push 2 landed inside both samples, push 3 after sample 1 finished.
+    weights = ServedWeights(replica_id=0, version="1")
+    weights.switched({("r", 0): 2, ("r", 1): 2}, "2")
+    weights.switched({("r", 0): 6, ("r", 1): 4}, "3")  # sample 1 had finished with 4
+    batch = pack_outputs(
+        [Output("r", completions(9, 4))], 0, "1", "3", weights.take_switches(["r"])
+    )
+    assert batch.token_versions().tolist() == [1, 1, 2, 2, 2, 2, 3, 3, 3] + [1, 1, 2, 2]
+    # end_from names the first token of the end version (3): none in sample 1.
+    assert batch.end_version_from.tolist() == [6, 4]
