@@ -5,8 +5,9 @@ The collector is TorchRL's LLMCollector running free (``start()``) through
 training step), perturbs its weights and pushes them with ``pause_mode="keep"``. Every
 sample the trainer reads is at most ``max_policy_lag`` versions old. Separately, a long
 generation in flight across ``keep`` pushes finishes and says so in its version tags (one
-push, two pushes: a version per token span), and a request that finished before a push in
-the same replica call keeps its own version.
+push, two pushes: a version per token span), a request that finished before a push in
+the same replica call keeps its own version, and one held by a pause through a push is
+the new version's.
 """
 
 from __future__ import annotations
@@ -267,3 +268,26 @@ def test_a_request_finished_before_a_keep_push_keeps_its_version(service, traine
     assert runs_of(batch) == [[1], [1, 2]]
     assert batch.versions_end == ["2", "2"]
     assert batch.end_version_from.tolist()[0] == 40  # every token before the end version's
+
+
+def test_a_request_held_by_a_pause_through_a_push_is_the_new_versions(service, trainer):
+    # Sent while the service is paused: admitted under version 1's label, held, started
+    # after the push: every token is version 2's (recorded as a switch at token 0).
+    params = {"max_tokens": 8, "ignore_eos": True, "temperature": 1.0}
+    with (
+        WeightSyncScheme(service, transport="storage", pause_mode="keep") as scheme,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        scheme.push(trainer, version=1)
+        service.pause("keep", clear_cache=False)
+        try:
+            fut = pool.submit(service.generate_request_batch, [[*HEAD, 70]], params)
+            wait_until(lambda: sum(s.outstanding for s in service.stats()), 30, what="held")
+            perturb(trainer, seed=21)
+            scheme.push(trainer, version=2)
+        finally:
+            service.resume()
+        batch = fut.result(timeout=120)
+    assert batch.versions_start == ["1"] and batch.versions_end == ["2"]
+    assert batch.token_versions().tolist() == [2] * 8
+    assert batch.end_version_from.tolist() == [0]
