@@ -183,16 +183,14 @@ class RequestBatch:
         (S,): its last switch when that switch was to the end version; its length when
         the request's versions differ but the end version made no token of it (it
         finished first); 0 when they are equal (every token is ``end``'s)."""
-        ends = [self.versions_end[r] for r in self.request_of_sample.tolist()]
-        starts = [self.versions_start[r] for r in self.request_of_sample.tolist()]
-        out = np.where(
-            np.array([s != e for s, e in zip(starts, ends, strict=True)], bool),
-            self.sample_lengths,
-            0,
-        ).astype(np.int64)
+        pairs = zip(self.versions_start, self.versions_end, strict=True)
+        crossed = np.array([start != end for start, end in pairs], dtype=bool)
+        req = self.request_of_sample
+        out = np.where(crossed[req], self.sample_lengths, 0).astype(np.int64)
         last = np.cumsum(self.switch_counts) - 1
-        for s in np.flatnonzero(self.switch_counts).tolist():
-            if starts[s] != ends[s] and self.switch_versions[last[s]] == ends[s]:
+        for s in np.flatnonzero(self.switch_counts).tolist():  # only samples pushes fell in
+            r = int(req[s])
+            if crossed[r] and self.switch_versions[last[s]] == self.versions_end[r]:
                 out[s] = self.switch_tokens[last[s]]
         return out
 
