@@ -814,11 +814,9 @@ def recorded_spans(row) -> list:
     """A RolloutRecorder row's exact version spans (its per-token versions), checked
     against its three per-sample keys: the first span starts at its admitted version and
     none is newer than its end version."""
-    from torchrl_vllm_ext.collectors import token_spans
+    from torchrl_vllm_ext.collectors import exact_spans
 
-    versions = row["token_weight_version"]
-    length = int((versions != -1).sum())
-    spans = token_spans(0, 0, 0, length, token_versions=versions)
+    spans = exact_spans(row["token_weight_version"])
     if spans:
         assert spans[0].first_version >= int(row["weight_version"]), (row, spans)
         assert spans[-1].last_version <= int(row["weight_version_end"]), (row, spans)

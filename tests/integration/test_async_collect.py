@@ -22,9 +22,9 @@ from tensordict import TensorDict, lazy_stack
 
 from torchrl_vllm_ext import AsyncCollection, TokenCopyEnv, VLLMPolicy, WeightSyncScheme
 from torchrl_vllm_ext.collectors import (
+    exact_spans,
     mask_stale_tokens,
     sample_versions,
-    token_spans,
     version_runs,
 )
 from torchrl_vllm_ext.wrappers.convert import generated_padded, generated_rows
@@ -230,7 +230,7 @@ def test_two_keep_pushes_inside_one_generation_give_three_spans(service, trainer
     assert (versions[2, 40:] == -1).all() and (versions[0] >= 1).all()
     rows = generated_rows(batch)
     assert [r.get(("vllm", "token_weight_version")).numel() for r in rows] == lengths
-    spans = token_spans(1, 3, 0, 220, token_versions=versions[0])
+    spans = exact_spans(versions[0])
     assert [s.first_version for s in spans] == [1, 2, 3]
     assert spans[0].token_to >= 40 and spans[1].token_to >= 120
     # The three per-sample keys: the last switch of each; every token of the short one

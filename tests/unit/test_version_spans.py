@@ -16,6 +16,7 @@ from tensordict import NonTensorStack, TensorDict, lazy_stack
 from torchrl_vllm_ext._compat.replica import tokens_so_far
 from torchrl_vllm_ext.batches import EVERY_SAMPLE, RequestBatch
 from torchrl_vllm_ext.collectors import (
+    exact_spans,
     exclude_stale_tokens,
     mask_stale_tokens,
     stale_prefix,
@@ -236,7 +237,7 @@ def test_token_versions_are_shaped_like_the_response_in_both_layouts():
 # ---------------------------------------------------------------------- consumers
 def test_version_runs_and_exact_spans():
     assert version_runs(torch.tensor([5, 5, 5])) == [(5, 0, 3)]
-    spans = token_spans(1, 3, 4, 6, token_versions=torch.tensor([1, 1, 2, 2, 3, 3, -1]))
+    spans = exact_spans(torch.tensor([1, 1, 2, 2, 3, 3, -1]))
     assert [(s.first_version, s.last_version, s.token_from, s.token_to) for s in spans] == [
         (1, 1, 0, 2),
         (2, 2, 2, 4),

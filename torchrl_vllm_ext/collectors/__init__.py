@@ -4,6 +4,7 @@ from torchrl_vllm_ext.collectors.async_collection import AsyncCollection
 from torchrl_vllm_ext.collectors.partial import (
     StaleTokens,
     VersionSpan,
+    exact_spans,
     exclude_stale_tokens,
     has_token_versions,
     mask_stale_tokens,
@@ -32,6 +33,7 @@ __all__ = [
     "StalenessGate",
     "VersionSpan",
     "WeightSyncUpdater",
+    "exact_spans",
     "exclude_stale_tokens",
     "has_token_versions",
     "mask_stale_tokens",

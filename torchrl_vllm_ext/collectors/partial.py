@@ -66,26 +66,17 @@ def version_runs(versions: Sequence[int] | torch.Tensor) -> list[tuple[int, int,
     return runs
 
 
-def token_spans(
-    start: int,
-    end: int,
-    end_from: int,
-    length: int,
-    token_versions: Sequence[int] | torch.Tensor | None = None,
-) -> list[VersionSpan]:
-    """A sample's response tokens as version spans, from what the engine records.
+def token_spans(start: int, end: int, end_from: int, length: int) -> list[VersionSpan]:
+    """A sample's response tokens as version spans, from the three per-sample keys alone
+    (rows from a policy that does not write ``("vllm", "token_weight_version")``; with
+    it, :func:`exact_spans`).
 
-    With ``token_versions`` (the policy's ``("vllm", "token_weight_version")`` row, or a
-    recorder's): exact, one span per run of equal versions (its first ``length``
-    entries; ``start``, ``end`` and ``end_from`` are not read).
-
-    Without (rows from a policy that writes only the three per-sample keys): the version
-    a request was admitted at (``start``), the one it finished at (``end``) and the first
-    token made with ``end`` (``end_from``) give one span when no push fell inside the
-    generation, two when some did. Tokens before ``end_from`` were made by ``start`` up
-    to ``end - 1`` (several versions when more than one push fell inside: the three keys
-    do not say where each began, so the span names the range and the bound reads its
-    oldest).
+    The version a request was admitted at (``start``), the one it finished at (``end``)
+    and the first token made with ``end`` (``end_from``) give one span when no push fell
+    inside the generation, two when some did. Tokens before ``end_from`` were made by
+    ``start`` up to ``end - 1`` (several versions when more than one push fell inside:
+    the three keys do not say where each began, so the span names the range and the
+    bound reads its oldest).
 
     Examples:
         >>> token_spans(3, 3, 0, 4)
@@ -93,19 +84,28 @@ def token_spans(
         >>> [(s.first_version, s.last_version, s.token_from, s.token_to)
         ...  for s in token_spans(3, 5, 2, 4)]
         [(3, 4, 0, 2), (5, 5, 2, 4)]
-        >>> [(s.first_version, s.token_from, s.token_to)
-        ...  for s in token_spans(3, 5, 3, 5, token_versions=[3, 4, 4, 5, 5, -1])]
-        [(3, 0, 1), (4, 1, 3), (5, 3, 5)]
     """
-    if token_versions is not None:
-        runs = version_runs(torch.as_tensor(token_versions)[:length])
-        return [VersionSpan(v, v, begin, stop) for v, begin, stop in runs]
     if end == start or end_from <= 0:
         version = end if end_from <= 0 else start
         return [VersionSpan(version, version, 0, length)]
     if end_from >= length:  # finished before the push: no token of ``end``'s
         return [VersionSpan(start, end - 1, 0, length)]
     return [VersionSpan(start, end - 1, 0, end_from), VersionSpan(end, end, end_from, length)]
+
+
+def exact_spans(token_versions: Sequence[int] | torch.Tensor) -> list[VersionSpan]:
+    """A sample's response tokens as exact version spans, one per run of equal versions,
+    from its per-token versions (the policy's ``("vllm", "token_weight_version")`` row,
+    or a recorder's; the padding, ``NO_TOKEN_VERSION``, is left out).
+
+    Examples:
+        >>> [(s.first_version, s.token_from, s.token_to)
+        ...  for s in exact_spans([3, 4, 4, 5, 5, -1])]
+        [(3, 0, 1), (4, 1, 3), (5, 3, 5)]
+    """
+    versions = torch.as_tensor(token_versions)
+    runs = version_runs(versions[versions != NO_TOKEN_VERSION])
+    return [VersionSpan(v, v, begin, stop) for v, begin, stop in runs]
 
 
 def has_token_versions(td: TensorDictBase) -> bool:

@@ -52,7 +52,7 @@ class RolloutRecorder:
     the generation when they differ), ``token_weight_version`` (int64 like ``response``,
     padded with -1: the version that made each token, the policy's when it writes them,
     else the oldest the three keys allow;
-    ``token_spans(..., token_versions=row["token_weight_version"])`` turns it into exact
+    ``exact_spans(row["token_weight_version"])`` turns it into exact
     version spans), ``consumed_version`` (the trainer's version when it trained on the
     row), ``stale_tokens`` (response tokens left out of the loss as past the staleness
     bound) and ``step``.
