@@ -810,21 +810,28 @@ def async_grpo_loop(service, scheme, model_dir, out_dir, *, steps: int, lag: int
     return loop, model
 
 
+def recorded_spans(row) -> list:
+    """A RolloutRecorder row's exact version spans (its per-token versions), checked
+    against its three per-sample keys: the first span starts at its admitted version and
+    none is newer than its end version."""
+    from torchrl_vllm_ext.collectors import exact_spans
+
+    spans = exact_spans(row["token_weight_version"])
+    if spans:
+        assert spans[0].first_version >= int(row["weight_version"]), (row, spans)
+        assert spans[-1].last_version <= int(row["weight_version_end"]), (row, spans)
+    return spans
+
+
 def assert_spans_within_bound(rollouts, steps: int, lag: int) -> None:
     """No trained token of the first ``steps`` recorded steps (a RolloutRecorder's
     TensorDict) was made by weights older than the version it was consumed at - ``lag``,
-    read from the recorded version spans; every row of those steps was recorded."""
-    from torchrl_vllm_ext.collectors import token_spans
-
+    read from the recorded exact version spans; every row of those steps was recorded."""
     done = rollouts[:steps].reshape(-1)
     assert (done["consumed_version"] >= 0).all() and (done["step"] >= 0).all()
     assert (done["weight_version_end"] >= done["weight_version"]).all()
-    answer = done["response"].shape[-1]
     for row in done:
-        spans = token_spans(
-            int(row["weight_version"]), int(row["weight_version_end"]),
-            int(row["weight_version_end_from"]), answer,
-        )  # fmt: skip
+        spans = recorded_spans(row)
         trained = [sp for sp in spans if sp.token_to > int(row["stale_tokens"])]
         consumed = int(row["consumed_version"])
         assert all(sp.first_version >= consumed - lag for sp in trained), (row, spans)

@@ -27,6 +27,7 @@ _EXPORTS = {
     "TokenTaskEnv": "torchrl_vllm_ext.envs",
     "mask_stale_tokens": "torchrl_vllm_ext.collectors",
     "exclude_stale_tokens": "torchrl_vllm_ext.collectors",
+    "exact_spans": "torchrl_vllm_ext.collectors",
     "token_spans": "torchrl_vllm_ext.collectors",
     "RolloutQueue": "torchrl_vllm_ext.collectors",
     "load_output": "torchrl_vllm_ext.jobs.generate_store",

@@ -11,7 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchrl_vllm_ext.messages import RequestData, SampleData
+from torchrl_vllm_ext.messages import RequestData, SampleData, Switch
+
+EVERY_SAMPLE = -1
+"""The sample index of a switch that applies to every sample of a request: one held,
+not started yet, when the weights changed (its samples had made no token)."""
 
 
 @dataclass
@@ -144,8 +148,15 @@ class RequestBatch:
     """Weight version of the replica when each request was admitted (R)."""
     versions_end: list[str]
     """Weight version when it finished (differs only if a ``keep`` pause spanned a sync) (R)."""
-    end_version_from: np.ndarray
-    """Index of each sample's first token generated with ``versions_end`` (0: all) (S,)."""
+    switch_counts: np.ndarray
+    """Weight switches inside each sample (S,): pushes that landed while it generated and
+    made some of its tokens (0: every token is its request's ``versions_start``)."""
+    switch_versions: list[str]
+    """Each switch's new version label, the samples' switches one after the other
+    (``switch_counts.sum()``)."""
+    switch_tokens: np.ndarray
+    """Tokens the sample had made before each switch, like ``switch_versions`` (int64;
+    increasing within a sample, each below its length)."""
     cached_tokens: np.ndarray
     """Prompt tokens of each request served from vLLM's prefix cache (R,)."""
 
@@ -156,6 +167,55 @@ class RequestBatch:
     def request_of_sample(self) -> np.ndarray:
         """Index of the request each sample belongs to (S,)."""
         return np.repeat(np.arange(len(self)), self.samples_per_request)
+
+    def sample_switches(self) -> list[list[Switch]]:
+        """Each sample's switches, oldest first: ``(version, tokens it had before)``."""
+        ends = np.cumsum(self.switch_counts).tolist()
+        tokens = self.switch_tokens.tolist()
+        return [
+            list(zip(self.switch_versions[end - n : end], tokens[end - n : end], strict=True))
+            for n, end in zip(self.switch_counts.tolist(), ends, strict=True)
+        ]
+
+    @property
+    def end_version_from(self) -> np.ndarray:
+        """Index of each sample's first token made with its request's ``versions_end``
+        (S,): its last switch when that switch was to the end version; its length when
+        the request's versions differ but the end version made no token of it (it
+        finished first); 0 when they are equal (every token is ``end``'s)."""
+        pairs = zip(self.versions_start, self.versions_end, strict=True)
+        crossed = np.array([start != end for start, end in pairs], dtype=bool)
+        req = self.request_of_sample
+        out = np.where(crossed[req], self.sample_lengths, 0).astype(np.int64)
+        last = np.cumsum(self.switch_counts) - 1
+        for s in np.flatnonzero(self.switch_counts).tolist():  # only samples pushes fell in
+            r = int(req[s])
+            if crossed[r] and self.switch_versions[last[s]] == self.versions_end[r]:
+                out[s] = self.switch_tokens[last[s]]
+        return out
+
+    def token_versions(self, missing: int = -1) -> np.ndarray:
+        """The version that made each generated token, like ``token_ids`` (int64):
+        the request's start version, then each switch's from its token on; ``missing``
+        where a label is not an integer.
+
+        Examples:
+            >>> sample = SampleData(np.arange(5), None, "length", None, "", [("3", 1), ("4", 3)])
+            >>> req = RequestData(np.array([1]), None, [sample], 0, "2", "4")
+            >>> batch = RequestBatch.from_requests([req])
+            >>> batch.token_versions().tolist(), batch.end_version_from.tolist()
+            ([2, 3, 3, 4, 4], [3])
+        """
+        starts = np.array([_label(v, missing) for v in self.versions_start], dtype=np.int64)
+        out = np.repeat(starts[self.request_of_sample], self.sample_lengths)
+        first_token = np.cumsum(self.sample_lengths) - self.sample_lengths
+        owner = np.repeat(np.arange(len(self.switch_counts)), self.switch_counts)
+        for s, version, tokens in zip(
+            owner.tolist(), self.switch_versions, self.switch_tokens.tolist(), strict=True
+        ):
+            begin = int(first_token[s]) + tokens
+            out[begin : int(first_token[s] + self.sample_lengths[s])] = _label(version, missing)
+        return out
 
     @classmethod
     def from_requests(cls, requests: list[RequestData]) -> RequestBatch:
@@ -195,7 +255,9 @@ class RequestBatch:
             replica_ids=np.array([r.replica_id for r in requests], dtype=np.int64),
             versions_start=[r.weight_version_start for r in requests],
             versions_end=[r.weight_version_end for r in requests],
-            end_version_from=np.array([s.end_version_from for s in samples], dtype=np.int64),
+            switch_counts=np.array([len(s.switches) for s in samples], dtype=np.int64),
+            switch_versions=[str(v) for s in samples for v, _ in s.switches],
+            switch_tokens=np.array([t for s in samples for _, t in s.switches], dtype=np.int64),
             cached_tokens=np.array([r.cached_tokens for r in requests], dtype=np.int64),
         )
 
@@ -237,6 +299,7 @@ class RequestBatch:
         tokens = gather(self.prompt_lengths, order)
         samples = gather(self.samples_per_request, order)
         sample_tokens = gather(self.sample_lengths, samples)
+        switches = gather(self.switch_counts, samples)
         return RequestBatch(
             prompt_token_ids=self.prompt_token_ids[tokens],
             prompt_lengths=self.prompt_lengths[order],
@@ -253,7 +316,9 @@ class RequestBatch:
             replica_ids=self.replica_ids[order],
             versions_start=[self.versions_start[r] for r in order.tolist()],
             versions_end=[self.versions_end[r] for r in order.tolist()],
-            end_version_from=self.end_version_from[samples],
+            switch_counts=self.switch_counts[samples],
+            switch_versions=[self.switch_versions[i] for i in switches.tolist()],
+            switch_tokens=self.switch_tokens[switches],
             cached_tokens=self.cached_tokens[order],
         )
 
@@ -267,6 +332,7 @@ class RequestBatch:
         prompt_lps = split(self.prompt_logprobs, self.prompt_lengths)
         ids = split(self.token_ids, self.sample_lengths)
         lps = split(self.logprobs, self.sample_lengths)
+        end_from, switches = self.end_version_from, self.sample_switches()
         samples = [
             SampleData(
                 token_ids=ids[s],
@@ -274,7 +340,8 @@ class RequestBatch:
                 finish_reason=self.finish_reasons[s],
                 stop_reason=self.stop_reasons[s],
                 text=self.texts[s],
-                end_version_from=int(self.end_version_from[s]),
+                switches=switches[s],
+                end_version_from=int(end_from[s]),
             )
             for s in range(len(ids))
         ]
@@ -295,4 +362,10 @@ class RequestBatch:
         return out
 
 
-__all__ = ["PromptBatch", "RequestBatch"]
+def _label(version: str, missing: int) -> int:
+    """A version label as an integer (``missing``: not one)."""
+    text = str(version)
+    return int(text) if text.isdecimal() else missing
+
+
+__all__ = ["EVERY_SAMPLE", "PromptBatch", "RequestBatch", "Switch"]

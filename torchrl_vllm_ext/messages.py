@@ -10,9 +10,13 @@ Replicas never send vLLM objects back: a batch travels as the columnar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
+
+Switch = tuple[str, int]
+"""A weight switch inside one sample: ``(the new version label, tokens it had made
+before)``; its tokens from there on were made by that version."""
 
 
 @dataclass
@@ -29,10 +33,14 @@ class SampleData:
     """The stop string or token that ended the sample, if any."""
     text: str
     """Detokenised completion ("" when detokenisation is off)."""
+    switches: list[Switch] = field(default_factory=list)
+    """Weight switches inside the sample, oldest first (pushes that landed while it
+    generated and made some of its tokens); its tokens before the first were made by the
+    request's ``weight_version_start``."""
     end_version_from: int = 0
-    """Index of the first token generated with the request's ``weight_version_end``:
-    tokens before it came from older weights (a ``keep`` pause spanned a sync); 0 when
-    every token did."""
+    """Index of the first token generated with the request's ``weight_version_end``
+    (read only: derived from ``switches`` by ``RequestBatch.unpack``); tokens before it
+    came from older weights (a ``keep`` pause spanned a sync); 0 when every token did."""
 
 
 @dataclass

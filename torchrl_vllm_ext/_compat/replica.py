@@ -229,12 +229,23 @@ def lora_request(name: str, lora_id: int, path: str | None):
 def tokens_so_far(output_processor, external_ids: set[str]) -> dict[tuple[str, int], int]:
     """Tokens generated so far by each sample of the given requests, from the engine's
     output processor (``LLMEngine`` and ``AsyncLLM`` both keep one in the caller's
-    process): ``{(request id, sample index): count}``."""
-    return {
-        (state.external_req_id, state.request_index): state.detokenizer.num_output_tokens()
-        for state in output_processor.request_states.values()
-        if state.external_req_id in external_ids
-    }
+    process): ``{(request id, sample index): count}``.
+
+    With ``n > 1`` vLLM runs one child request per sample and drops a child's state when
+    it finishes; its parent keeps the finished child's final output (our requests are
+    ``FINAL_ONLY``), read here so the finished sample is reported by its final count.
+    """
+    counts = {}
+    for state in output_processor.request_states.values():
+        rid = state.external_req_id
+        if rid not in external_ids:
+            continue
+        counts[(rid, state.request_index)] = state.detokenizer.num_output_tokens()
+        parent = state.parent_req
+        for done in parent.output_aggregator if parent is not None else ():
+            if done is not None:  # a finished child of a running request
+                counts[(rid, done.index)] = len(done.token_ids)
+    return counts
 
 
 def inproc_shutdown(llm_engine) -> None:

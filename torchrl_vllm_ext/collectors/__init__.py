@@ -4,10 +4,14 @@ from torchrl_vllm_ext.collectors.async_collection import AsyncCollection
 from torchrl_vllm_ext.collectors.partial import (
     StaleTokens,
     VersionSpan,
+    exact_spans,
     exclude_stale_tokens,
+    has_token_versions,
     mask_stale_tokens,
+    sample_token_versions,
     stale_prefix,
     token_spans,
+    version_runs,
 )
 from torchrl_vllm_ext.collectors.rollout_queue import BusyClock, QueuedBatch, RolloutQueue
 from torchrl_vllm_ext.collectors.staleness import (
@@ -29,9 +33,13 @@ __all__ = [
     "StalenessGate",
     "VersionSpan",
     "WeightSyncUpdater",
+    "exact_spans",
     "exclude_stale_tokens",
+    "has_token_versions",
     "mask_stale_tokens",
+    "sample_token_versions",
     "sample_versions",
     "stale_prefix",
     "token_spans",
+    "version_runs",
 ]

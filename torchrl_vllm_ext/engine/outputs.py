@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from torchrl_vllm_ext._compat import vllm_output_types
-from torchrl_vllm_ext.batches import RequestBatch
-from torchrl_vllm_ext.messages import RequestData
+from torchrl_vllm_ext.batches import EVERY_SAMPLE, RequestBatch
+from torchrl_vllm_ext.messages import RequestData, Switch
 
 
 def _chosen_logprobs(flat, length: int) -> np.ndarray:
@@ -42,22 +42,41 @@ def _cat(arrays: list[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.empty(0, dtype)
 
 
+def sample_switches(
+    switches: dict[tuple[str, int], list[Switch]], request_id: str, index: int, length: int
+) -> list[Switch]:
+    """The switches that made tokens of one finished sample of ``length`` tokens, oldest
+    first: its request's (recorded before it started) then its own.
+
+    A switch at or past its length made none: the sample had finished when the weights
+    changed (vLLM reports a finished sample of a running request by its final count).
+
+    Examples:
+        >>> recorded = {("r", EVERY_SAMPLE): [("1", 0)], ("r", 0): [("2", 3), ("3", 5)]}
+        >>> sample_switches(recorded, "r", 0, 5), sample_switches(recorded, "r", 1, 4)
+        ([('1', 0), ('2', 3)], [('1', 0)])
+    """
+    mine = switches.get((request_id, EVERY_SAMPLE), []) + switches.get((request_id, index), [])
+    return [(version, tokens) for version, tokens in mine if tokens < length]
+
+
 def pack_outputs(
     outputs: list,
     replica_id: int,
     start: str,
     end: str,
-    end_version_from: dict[tuple[str, int], int] | None = None,
+    switches: dict[tuple[str, int], list[Switch]] | None = None,
 ) -> RequestBatch:
     """Finished vLLM ``RequestOutput``s of one replica call -> one :class:`RequestBatch`.
 
     ``start`` / ``end``: the replica's weight version when the batch was admitted and
-    when it finished. ``end_version_from``: ``(request id, sample index)`` -> tokens the
-    sample had when the replica switched to ``end`` (absent: 0, every token is ``end``'s).
+    when it finished. ``switches``: ``(request id, sample index or EVERY_SAMPLE)`` -> the
+    weight switches while it was in flight, ``(version, tokens it had)``, oldest first
+    (:meth:`~torchrl_vllm_ext.engine.replica.served_weights.ServedWeights.take_switches`).
     """
-    switched = end_version_from or {}
+    switches = switches or {}
     prompts, prompt_lps, has_prompt_lp, per_request, cached = [], [], [], [], []
-    ids, lps, has_lp, finish, stop, texts, fresh_from = [], [], [], [], [], [], []
+    ids, lps, has_lp, finish, stop, texts, made_by = [], [], [], [], [], [], []
     for out in outputs:
         prompt = np.asarray(out.prompt_token_ids, dtype=np.int64)
         prompts.append(prompt)
@@ -73,7 +92,11 @@ def pack_outputs(
             finish.append(comp.finish_reason)
             stop.append(comp.stop_reason)
             texts.append(comp.text or "")
-            fresh_from.append(switched.get((out.request_id, comp.index), 0) if switched else 0)
+            made_by.append(
+                sample_switches(switches, out.request_id, comp.index, len(tokens))
+                if switches
+                else []
+            )
     r = len(outputs)
     return RequestBatch(
         prompt_token_ids=_cat(prompts, np.int64),
@@ -91,7 +114,9 @@ def pack_outputs(
         replica_ids=np.full(r, replica_id, dtype=np.int64),
         versions_start=[start] * r,
         versions_end=[end] * r,
-        end_version_from=np.array(fresh_from, dtype=np.int64),
+        switch_counts=np.array([len(m) for m in made_by], dtype=np.int64),
+        switch_versions=[version for m in made_by for version, _ in m],
+        switch_tokens=np.array([tokens for m in made_by for _, tokens in m], dtype=np.int64),
         cached_tokens=np.array(cached, dtype=np.int64),
     )
 

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import statistics
 
+import torch
 from tensordict import TensorDictBase
 
-from torchrl_vllm_ext.collectors.partial import StaleTokens
+from torchrl_vllm_ext.collectors.partial import (
+    StaleTokens,
+    has_token_versions,
+    sample_token_versions,
+)
 from torchrl_vllm_ext.collectors.staleness import sample_versions
 from torchrl_vllm_ext.wrappers.layout import END_VERSION_KEY, VERSION_KEY
 
@@ -45,10 +50,14 @@ def batch_staleness(
       ``stale_samples_processed``);
     - ``stale_dropped`` / ``stale_masked_tokens``: samples with every token past the bound,
       and response tokens past it, left out of the loss (:func:`exclude_stale_tokens`);
-    - ``partial_ratio``: share of samples a push fell inside (start and end versions
-      differ; verl's ``partial_ratio``);
-    - ``max_partial_span``: the most versions one sample spanned (end minus start; verl's
-      ``max_partial_span``).
+    - ``partial_ratio``: share of samples a push fell inside: tokens of more than one
+      version (verl's ``partial_ratio``);
+    - ``max_partial_span``: the most versions one sample spanned (its newest token's
+      version minus its oldest; verl's ``max_partial_span``).
+
+    Both read each token's version (``("vllm", "token_weight_version")``) when the rows
+    carry it, else the start and end versions (a sample that finished before a push then
+    counts as spanning it).
 
     Examples:
         >>> from tensordict import TensorDict, NonTensorStack
@@ -60,13 +69,15 @@ def batch_staleness(
         >>> out = batch_staleness(td, 4, stale)
         >>> out["staleness_max"], out["stale_samples"], out["partial_ratio"], out["max_partial_span"]
         (2, 1, 0.3333333333333333, 1)
+        >>> _ = td.set(("vllm", "token_weight_version"), torch.tensor(
+        ...     [[4, 4, 4], [3, 4, -1], [2, 2, 2]]))
+        >>> out = batch_staleness(td, 4, stale)
+        >>> out["partial_ratio"], out["max_partial_span"]
+        (0.3333333333333333, 1)
     """
     start = sample_versions(batch, VERSION_KEY).reshape(-1)
-    end = start
-    if batch.get(END_VERSION_KEY, None) is not None:
-        end = sample_versions(batch, END_VERSION_KEY).reshape(-1)
     behind = int(consumed_version) - start
-    span = end - start
+    span = _spans(batch, start)
     dropped, masked = (0, 0) if stale is None else (stale.samples, stale.tokens)
     return {
         "staleness_mean": int(behind.sum()) / behind.numel(),
@@ -78,6 +89,19 @@ def batch_staleness(
         "partial_ratio": int((span > 0).sum()) / span.numel(),
         "max_partial_span": int(span.max()),
     }
+
+
+def _spans(batch: TensorDictBase, start: torch.Tensor) -> torch.Tensor:
+    """Versions each sample spans: its newest token's minus its oldest (per-token key),
+    else its end version minus its start."""
+    if has_token_versions(batch):
+        rows = sample_token_versions(batch)
+        return torch.tensor(
+            [int(r.max() - r.min()) if r.numel() else 0 for r in rows], dtype=torch.int64
+        )
+    if batch.get(END_VERSION_KEY, None) is None:
+        return torch.zeros_like(start)
+    return sample_versions(batch, END_VERSION_KEY).reshape(-1) - start
 
 
 def idle_figures(

@@ -8,9 +8,16 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torch.nn.utils.rnn import pad_sequence
 
+from torchrl_vllm_ext.collectors.partial import has_token_versions, token_spans
 from torchrl_vllm_ext.collectors.staleness import sample_versions
 from torchrl_vllm_ext.wrappers.inputs import flatten_rows
-from torchrl_vllm_ext.wrappers.layout import END_FROM_KEY, END_VERSION_KEY, VERSION_KEY
+from torchrl_vllm_ext.wrappers.layout import (
+    END_FROM_KEY,
+    END_VERSION_KEY,
+    NO_TOKEN_VERSION,
+    TOKEN_VERSION_KEY,
+    VERSION_KEY,
+)
 
 
 def _padded(rows, width: int, value) -> torch.Tensor:
@@ -42,10 +49,13 @@ class RolloutRecorder:
     ``weight_version`` (the engine version the row's request was admitted at: the oldest
     weights that made it), ``weight_version_end`` and ``weight_version_end_from`` (the
     version it finished at and its first token made by it: a push in flight fell inside
-    the generation when they differ; :func:`~torchrl_vllm_ext.collectors.token_spans`
-    turns the three into version spans), ``consumed_version`` (the trainer's version when
-    it trained on the row), ``stale_tokens`` (leading response tokens left out of the loss
-    as past the staleness bound) and ``step``.
+    the generation when they differ), ``token_weight_version`` (int64 like ``response``,
+    padded with -1: the version that made each token, the policy's when it writes them,
+    else the oldest the three keys allow;
+    ``exact_spans(row["token_weight_version"])`` turns it into exact
+    version spans), ``consumed_version`` (the trainer's version when it trained on the
+    row), ``stale_tokens`` (response tokens left out of the loss as past the staleness
+    bound) and ``step``.
     Rows of a step are written in place, so an interrupted run keeps the finished steps
     (``recorded`` of them; later steps stay zero), and memory stays flat.
 
@@ -70,6 +80,9 @@ class RolloutRecorder:
                 "weight_version": torch.zeros(steps, rows, dtype=torch.int64),
                 "weight_version_end": torch.zeros(steps, rows, dtype=torch.int64),
                 "weight_version_end_from": torch.zeros(steps, rows, dtype=torch.int64),
+                "token_weight_version": torch.full(
+                    (steps, rows, response_len), NO_TOKEN_VERSION, dtype=torch.int64
+                ),
                 "consumed_version": torch.full((steps, rows), -1, dtype=torch.int64),
                 "stale_tokens": torch.zeros(steps, rows, dtype=torch.int64),
                 "step": torch.full((steps, rows), -1, dtype=torch.int64),
@@ -108,6 +121,11 @@ class RolloutRecorder:
                 "weight_version": versions,
                 "weight_version_end": ends,
                 "weight_version_end_from": end_from,
+                "token_weight_version": _padded(
+                    _token_versions(data, versions, ends, end_from, responses),
+                    self.response_len,
+                    NO_TOKEN_VERSION,
+                ),
                 "consumed_version": torch.full(
                     (n,), -1 if consumed_version is None else int(consumed_version)
                 ),
@@ -122,6 +140,22 @@ class RolloutRecorder:
         )
         self.td[step].update_(row)
         self.recorded = step + 1
+
+
+def _token_versions(data, starts, ends, end_from, responses) -> list[torch.Tensor]:
+    """Each row's per-token versions: the policy's, or (a policy that writes only the
+    three per-sample keys) each token's oldest possible version."""
+    if has_token_versions(data):
+        return response_rows(data, TOKEN_VERSION_KEY)
+    rows = []
+    for s, e, k, r in zip(
+        starts.tolist(), ends.tolist(), end_from.tolist(), responses, strict=True
+    ):
+        row = torch.empty(len(r), dtype=torch.int64)
+        for span in token_spans(s, e, k, len(r)):
+            row[span.token_from : span.token_to] = span.first_version
+        rows.append(row)
+    return rows
 
 
 __all__ = ["RolloutRecorder", "response_rows"]

@@ -38,6 +38,8 @@ from torchrl_vllm_ext.wrappers.layout import (
     END_FROM,
     END_VERSION,
     FINISH_REASON,
+    NO_TOKEN_VERSION,
+    TOKEN_VERSION,
     VERSION,
     OutputKeys,
     SharedStrings,
@@ -74,6 +76,8 @@ class Samples:
     """vLLM's finish reason of each sample."""
     end_version_from: np.ndarray
     """Index of each sample's first token generated with its end version (S,)."""
+    token_versions: np.ndarray
+    """The version that made each generated token, concatenated like ``responses``."""
     cached_tokens: np.ndarray
     """Prompt tokens of each sample's request served from vLLM's prefix cache (S,)."""
 
@@ -99,7 +103,8 @@ def samples_of(batch: RequestBatch, with_prompt_logprobs: bool = True) -> Sample
         weight_versions=[starts[r] for r in req.tolist()],
         weight_versions_end=[ends[r] for r in req.tolist()],
         finish_reasons=list(batch.finish_reasons),
-        end_version_from=_writable(batch.end_version_from),
+        end_version_from=batch.end_version_from,
+        token_versions=batch.token_versions(NO_TOKEN_VERSION),
         cached_tokens=batch.cached_tokens[req],
     )
 
@@ -154,6 +159,7 @@ def generated_rows(
         response_lp=split_rows(s.response_logprobs, R),
         full_lp=split_rows(full_lp, L),
         fresh_from=torch.from_numpy(s.end_version_from).unbind(0),
+        token_versions=split_rows(s.token_versions, R),
         cached=torch.from_numpy(s.cached_tokens).unbind(0),
     )
     extras = SharedStrings()
@@ -172,6 +178,7 @@ class _Columns(NamedTuple):
     response_lp: Sequence[torch.Tensor]
     full_lp: Sequence[torch.Tensor]
     fresh_from: Sequence[torch.Tensor]
+    token_versions: Sequence[torch.Tensor]
     cached: Sequence[torch.Tensor]
 
 
@@ -186,6 +193,7 @@ def _sample_row(c: _Columns, s, i: int, keys: OutputKeys, extras: SharedStrings)
         VERSION: extras(s.weight_versions[i]),
         END_VERSION: extras(s.weight_versions_end[i]),
         END_FROM: c.fresh_from[i],
+        TOKEN_VERSION: c.token_versions[i],
         CACHED_TOKENS: c.cached[i],
         FINISH_REASON: extras(s.finish_reasons[i]),
     }
@@ -248,6 +256,9 @@ def generated_padded(
                     VERSION: strings(s.weight_versions),
                     END_VERSION: strings(s.weight_versions_end),
                     END_FROM: torch.from_numpy(s.end_version_from),
+                    TOKEN_VERSION: torch.from_numpy(
+                        pad_flat(s.token_versions, R, NO_TOKEN_VERSION, left=False)
+                    ),
                     CACHED_TOKENS: torch.from_numpy(s.cached_tokens),
                     FINISH_REASON: strings(s.finish_reasons),
                 },

@@ -4,7 +4,7 @@ The top-level keys (``tokens``, ``log_probs``, ``masks``, ``text``, ``history``)
 TorchRL's wrapper defaults (:class:`OutputKeys`); the sub-keys are the fields of
 ``torchrl.modules.llm.policies``' tensorclasses. Ours are additive, under
 ``OutputKeys.extra`` (``"vllm"``): :data:`VERSION`, :data:`END_VERSION`, :data:`END_FROM`,
-:data:`CACHED_TOKENS`, :data:`FINISH_REASON`.
+:data:`TOKEN_VERSION`, :data:`CACHED_TOKENS`, :data:`FINISH_REASON`.
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ END_VERSION = "weight_version_end"
 """The version when it finished (later only if a ``keep`` sync happened meanwhile)."""
 END_FROM = "weight_version_end_from"
 """Index of the first response token generated with ``END_VERSION`` (int64)."""
+TOKEN_VERSION = "token_weight_version"
+"""The version that made each response token (int64, shaped like ``("tokens",
+"response")``, padded or ragged): exact where pushes fell inside a sample."""
+NO_TOKEN_VERSION = -1
+"""``TOKEN_VERSION`` of padding, and of tokens whose version label is not an integer."""
 CACHED_TOKENS = "cached_tokens"
 """Prompt tokens vLLM's prefix cache served (int64)."""
 FINISH_REASON = "finish_reason"
@@ -31,6 +36,7 @@ FINISH_REASON = "finish_reason"
 VERSION_KEY = (EXTRA, VERSION)
 END_VERSION_KEY = (EXTRA, END_VERSION)
 END_FROM_KEY = (EXTRA, END_FROM)
+TOKEN_VERSION_KEY = (EXTRA, TOKEN_VERSION)
 FINISH_REASON_KEY = (EXTRA, FINISH_REASON)
 
 _EMPTY = torch.Size([])
@@ -52,7 +58,8 @@ class OutputKeys:
     """``ChatHistory`` (prompt, response, full), history mode."""
     extra: str = EXTRA
     """Our additive sub-TensorDict: ``weight_version``, ``weight_version_end``,
-    ``weight_version_end_from``, ``cached_tokens``, ``finish_reason``."""
+    ``weight_version_end_from``, ``token_weight_version``, ``cached_tokens``,
+    ``finish_reason``."""
 
 
 DEFAULT_KEYS = OutputKeys()
@@ -123,6 +130,9 @@ __all__ = [
     "EXTRA",
     "FINISH_REASON",
     "FINISH_REASON_KEY",
+    "NO_TOKEN_VERSION",
+    "TOKEN_VERSION",
+    "TOKEN_VERSION_KEY",
     "VERSION",
     "VERSION_KEY",
     "OutputKeys",

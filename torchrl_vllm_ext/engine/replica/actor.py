@@ -445,7 +445,11 @@ class VLLMReplica:
         return await self._require_engine().get_weight_version()
 
     async def set_weight_version(self, version: str) -> None:
-        await self._require_engine().set_weight_version(str(version))
+        engine = self._require_engine()
+        # The requests in flight carry the new label from here (their tokens' versions).
+        progress = await engine.tokens_so_far(list(self._inflight)) if self._inflight else {}
+        await engine.set_weight_version(str(version))
+        self._weights.switched(progress, version)
         self._weights.relabel(version)
 
     async def reset_prefix_cache(self) -> bool:

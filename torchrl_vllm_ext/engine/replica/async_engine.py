@@ -24,6 +24,7 @@ from torchrl_vllm_ext._compat import (
     tokens_so_far,
     vllm_engine_api,
 )
+from torchrl_vllm_ext.batches import EVERY_SAMPLE
 from torchrl_vllm_ext.engine.replica.engine import Engine
 
 
@@ -55,6 +56,7 @@ class AsyncEngine(Engine):
         self._labels = keeps_weight_version(llm)
         self._resumed = asyncio.Event()  # requests vLLM refused during a pause wait on it
         self._resumed.set()
+        self._submitted: set[str] = set()  # request ids whose generate() has not returned
         self._retryable = retryable_errors()
 
     @classmethod
@@ -90,6 +92,13 @@ class AsyncEngine(Engine):
         )
 
     async def _one(self, engine_input: dict, params, request_id: str, lora_request=None):
+        self._submitted.add(request_id)
+        try:
+            return await self._until_done(engine_input, params, request_id, lora_request)
+        finally:
+            self._submitted.discard(request_id)
+
+    async def _until_done(self, engine_input: dict, params, request_id: str, lora_request):
         while True:
             final = None
             try:
@@ -169,7 +178,14 @@ class AsyncEngine(Engine):
         return await self._llm.collective_rpc(method, args=args, kwargs=kwargs)
 
     async def tokens_so_far(self, request_ids: Sequence[str]) -> dict[tuple[str, int], int]:
-        return tokens_so_far(self._llm.output_processor, set(request_ids))
+        ids = set(request_ids)
+        counts = tokens_so_far(self._llm.output_processor, ids)
+        # Submitted but unknown to the output processor: waiting to be added (refused
+        # during the pause); a finished request has left _submitted by now (the update's
+        # load ran between its last output and this call).
+        started = {rid for rid, _ in counts}
+        waiting = (ids & self._submitted) - started
+        return counts | {(rid, EVERY_SAMPLE): 0 for rid in waiting}
 
     def load(self) -> SchedulerLoad:
         sched = self._sink.get("scheduler")

@@ -144,7 +144,9 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def tokens_so_far(self, request_ids: Sequence[str]) -> dict[tuple[str, int], int]:
         """Tokens each sample of these in-flight requests has generated so far, keyed
-        ``(request id, sample index)`` (requests not started or finished are absent)."""
+        ``(request id, sample index)``; a finished sample of a running request (``n > 1``)
+        with its final count; a request not started yet (held by a pause) as
+        ``(request id, EVERY_SAMPLE): 0``; finished requests are absent."""
 
     @abc.abstractmethod
     def load(self) -> SchedulerLoad:

@@ -91,6 +91,10 @@ class EngineThread:
         """How many requests wait in batches held by the pause (read from any thread)."""
         return sum(len(batch.request_ids) for batch in self._held)
 
+    def held_request_ids(self) -> set[str]:
+        """The ids of the requests held by the pause (not started yet)."""
+        return {rid for batch in self._held for rid in batch.request_ids}
+
     # ------------------------------------------------------------ caller side
     async def call(self, fn: Callable, *args) -> Any:
         """Run ``fn(*args)`` on the engine thread between two steps; return its result."""

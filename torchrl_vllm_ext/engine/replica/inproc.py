@@ -28,6 +28,7 @@ from torchrl_vllm_ext._compat import (
     inproc_load,
     tokens_so_far,
 )
+from torchrl_vllm_ext.batches import EVERY_SAMPLE
 from torchrl_vllm_ext.engine.replica.engine import Engine
 from torchrl_vllm_ext.engine.replica.engine_thread import Batch, EngineThread
 
@@ -164,9 +165,14 @@ class InprocEngine(Engine):
 
     async def tokens_so_far(self, request_ids: Sequence[str]) -> dict[tuple[str, int], int]:
         ids = set(request_ids)
-        return await self.thread.call(
-            lambda: tokens_so_far(self.thread.engine.output_processor, ids)
-        )
+
+        def count():  # on the engine thread: the held batches and the counts agree
+            held = ids & self.thread.held_request_ids()
+            return tokens_so_far(self.thread.engine.output_processor, ids) | {
+                (rid, EVERY_SAMPLE): 0 for rid in held
+            }
+
+        return await self.thread.call(count)
 
     def load(self) -> SchedulerLoad:
         """Read from the actor's thread without queueing (a few int reads; the GIL makes

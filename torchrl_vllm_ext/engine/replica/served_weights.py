@@ -1,11 +1,13 @@
 """ServedWeights: what a replica's actor records about the weights it serves (their version
-label, the prefix-cache epoch, the probes sent, where kept requests switched weights), one
-object the actor holds and hands to its worker calls."""
+label, the prefix-cache epoch, the probes sent, where requests in flight switched weights),
+one object the actor holds and hands to its worker calls."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+
+from torchrl_vllm_ext.batches import Switch
 
 
 class ServedWeights:
@@ -16,13 +18,16 @@ class ServedWeights:
         version: the weight version label the replica starts with.
 
     Examples:
+        >>> from torchrl_vllm_ext.batches import EVERY_SAMPLE
         >>> weights = ServedWeights(replica_id=3, version="0")
         >>> weights.cache_salt
         'e0'
         >>> weights.changed(); weights.cache_salt
         'e1'
-        >>> weights.switched({("req-a", 0): 5}); weights.take_switches(["req-a", "req-b"])
-        {('req-a', 0): 5}
+        >>> weights.switched({("req-a", 0): 5, ("req-b", EVERY_SAMPLE): 0}, "1")
+        >>> weights.switched({("req-a", 0): 9}, "2")
+        >>> weights.take_switches(["req-a"])
+        {('req-a', 0): [('1', 5), ('2', 9)]}
         >>> weights.take_switches(["req-a"]) is None
         True
     """
@@ -36,9 +41,9 @@ class ServedWeights:
         # while a new label alone (an adapter push) keeps the base model's cache.
         self._cache_epoch = 0
         self._probes = 0  # probe requests sent (their ids and cache salts stay unique)
-        # For requests a keep-mode update spanned: the tokens each sample (request id,
-        # sample index) had when the newest weights came in (see pack_outputs).
-        self._end_version_from: dict[tuple[str, int], int] = {}
+        # For requests in flight across weight changes: every switch of each sample
+        # (request id, sample index or EVERY_SAMPLE), in order (see pack_outputs).
+        self._switches: dict[tuple[str, int], list[Switch]] = {}
 
     @property
     def cache_salt(self) -> str:
@@ -59,15 +64,20 @@ class ServedWeights:
         self._probes += 1
         return f"probe-{self.replica_id}-{os.getpid()}-{self._probes}"
 
-    def switched(self, progress: dict[tuple[str, int], int]) -> None:
-        """Record where kept requests go on with the new weights: ``{(request id, sample):
-        tokens so far}``."""
-        self._end_version_from.update(progress)
+    def switched(self, progress: dict[tuple[str, int], int], version: str) -> None:
+        """Record where requests in flight go on with the weights labelled ``version``:
+        ``progress`` is ``{(request id, sample index or EVERY_SAMPLE): tokens so far}``
+        (:meth:`~torchrl_vllm_ext.engine.replica.engine.Engine.tokens_so_far`)."""
+        for key, tokens in progress.items():
+            self._switches.setdefault(key, []).append((str(version), int(tokens)))
 
-    def take_switches(self, request_ids: Iterable[str]) -> dict[tuple[str, int], int] | None:
-        """Pop the switches recorded for these requests' samples (None: none recorded)."""
-        if not self._end_version_from:
+    def take_switches(
+        self, request_ids: Iterable[str]
+    ) -> dict[tuple[str, int], list[Switch]] | None:
+        """Pop the switches recorded for these requests' samples, oldest first (None: none
+        recorded)."""
+        if not self._switches:
             return None
         ids = set(request_ids)
-        mine = [key for key in self._end_version_from if key[0] in ids]
-        return {key: self._end_version_from.pop(key) for key in mine}
+        mine = [key for key in self._switches if key[0] in ids]
+        return {key: self._switches.pop(key) for key in mine} or None

@@ -175,9 +175,11 @@ class WorkerCalls:
                 raise WeightSyncError(
                     f"replica {self.replica_id}: workers loaded versions {versions}, expected {version!r}."
                 )
-            if pause_mode == "keep" and self._in_flight:
-                # Kept requests go on with the new weights from here: note where.
-                self._weights.switched(await engine.tokens_so_far(list(self._in_flight)))
+            if self._in_flight:
+                # Requests in flight go on with the new weights from here (kept ones
+                # mid-sample, held ones from their first token): note where.
+                progress = await engine.tokens_so_far(list(self._in_flight))
+                self._weights.switched(progress, version)
             self._weights.changed()  # 4) version + cache, 5) resume
             finished = True
             await engine.finish_update(version, reset_cache=not cleared, resume=steps.pause)
