@@ -46,6 +46,12 @@ class WorkerMethods:
     """(header_json: str) -> True; receives and verifies in a background thread."""
     STAGED_READY = "staged_weights_ready"
     """(version: str) -> whether the staged receive finished (raises if it failed)."""
+    BROADCAST_SLICES = "weight_broadcast_slices"
+    """(header_json: str) -> {tensor name: [[start, stop], ...]} | None; the element runs
+    the worker keeps of each tensor of the header (its load plan's), None: no plan."""
+    STAGE_SENDS = "stage_weight_sends"
+    """(update_json: str) -> True; receives only this worker's slices, point to point, and
+    verifies them in a background thread (then ``apply_staged_weights``)."""
     RECEIVE_BROADCAST = "receive_weight_broadcast"
     """(header_json: str) -> loaded version; receive, verify, load (restarted replicas)."""
     CLOSE_BROADCAST = "close_weight_broadcast"

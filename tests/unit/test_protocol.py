@@ -40,6 +40,8 @@ PARAMS = {
     ],
     WorkerMethods.STAGE_BROADCAST: ["header_json"],
     WorkerMethods.STAGED_READY: ["version"],
+    WorkerMethods.BROADCAST_SLICES: ["header_json"],
+    WorkerMethods.STAGE_SENDS: ["update_json"],
     WorkerMethods.RECEIVE_BROADCAST: ["header_json"],
     WorkerMethods.CLOSE_BROADCAST: [],
     WorkerMethods.RELEASE_STORAGE: ["path"],

@@ -60,10 +60,18 @@ class SyncReport:
 
     sent_bytes: int = 0
     """Bytes the transport moved: the full push's (cast to the served dtype with delta
-    pushes on), or a delta's changed values and positions."""
+    pushes on), a delta's changed values and positions, or per-worker sends' payloads
+    summed over the workers."""
     base: str | None = None
     """The version a delta push changed, which every replica it reached held; None: a
     full push."""
+    sends: str | None = None
+    """How a broadcast push reached the workers: ``per-worker`` (each worker of a
+    tensor-parallel replica sent only the slices its load plan keeps: :attr:`reads`) or
+    ``broadcast`` (every byte to every worker); None: another transport."""
+    sends_why: str | None = None
+    """Why that way (``one worker per replica keeps every byte``, ``worker 1 of replica
+    0 has no load plan of this layout to replay ...``)."""
 
     @property
     def sent_share(self) -> float:

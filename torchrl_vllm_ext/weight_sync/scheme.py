@@ -343,6 +343,8 @@ class WeightSyncScheme:
             loads=reports,
             sent_bytes=nbytes if prepared.sent_bytes is None else prepared.sent_bytes,
             base=prepared.base,
+            sends=prepared.sends[0] if prepared.sends else None,
+            sends_why=prepared.sends[1] if prepared.sends else None,
         )
 
     def _checkpoint_named(self, source: PushSource) -> dict[str, torch.Tensor]:

@@ -79,6 +79,29 @@ class UpdateHeader:
 
 
 @dataclass(frozen=True)
+class WorkerPayload:
+    """What one worker of a per-worker update receives: its slices of the buckets, packed
+    end to end (:mod:`~torchrl_vllm_ext.weight_sync.transports.broadcast.per_worker`)."""
+
+    nbytes: int
+    """Bytes of the payload."""
+    checksum: int
+    """Checksum of the payload (as :attr:`BucketSpec.checksum`)."""
+    runs_digest: str
+    """Digest of the element runs (the ones the worker reported) the payload was cut by."""
+
+
+@dataclass(frozen=True)
+class PerWorkerUpdate:
+    """A broadcast update sent to each worker point to point: only what it keeps."""
+
+    header: UpdateHeader
+    """The buckets the payloads were cut from (the worker's receive buffers hold them)."""
+    workers: tuple[WorkerPayload, ...]
+    """Each worker's payload, by its rank in its replica."""
+
+
+@dataclass(frozen=True)
 class SlotManifest:
     """What a published storage slot holds; written atomically as ``current.json``."""
 
@@ -163,10 +186,12 @@ __all__ = [
     "BucketSpec",
     "CudaIpcHandle",
     "IpcUpdate",
+    "PerWorkerUpdate",
     "SlotManifest",
     "SlotTarget",
     "TensorSpec",
     "UpdateHeader",
+    "WorkerPayload",
     "from_json",
     "to_json",
 ]

@@ -126,6 +126,14 @@ class WeightSyncWorkerExtension:
         """Receive and verify one update in a background thread (before the pause)."""
         return _of(self).broadcast.stage_weight_broadcast(header_json)
 
+    def weight_broadcast_slices(self, header_json: str) -> dict | None:
+        """The element runs this worker keeps of each tensor of the header (None: no plan)."""
+        return _of(self).broadcast.weight_broadcast_slices(header_json)
+
+    def stage_weight_sends(self, update_json: str) -> bool:
+        """Receive and verify only this worker's slices, in a background thread."""
+        return _of(self).broadcast.stage_weight_sends(update_json)
+
     def receive_weight_broadcast(self, header_json: str) -> str:
         """Receive, verify and load one update (a restarted replica); its version."""
         return _of(self).broadcast.receive_weight_broadcast(header_json)

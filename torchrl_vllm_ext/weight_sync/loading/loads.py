@@ -45,7 +45,8 @@ class Received:
     must replay the plan they came from, or load ``whole`` instead."""
     whole: Named | None = None
     """With ``reads``: the whole tensors (the storage slot's), for a pause whose plan no
-    longer replays (a parameter moved since staging)."""
+    longer replays (a parameter moved since staging); None where there are none (a
+    per-worker broadcast sent only the slices: such a pause fails, naming why)."""
 
 
 @dataclass
@@ -120,7 +121,16 @@ class Loads:
         named = result.named
         if result.reads is not None:
             state = functools.partial(model_state, self.worker.get_model())
-            if not self.plans.replays(named, state):
+            replays = self.plans.replays(named, state)
+            if not replays and result.whole is None:
+                raise WeightSyncError(
+                    f"version {version}: this worker received only its slices (per-worker "
+                    "broadcast sends) and its load plan no longer replays (a parameter "
+                    "moved since the slices were reported); nothing was loaded, it keeps "
+                    "serving its previous weights. Push again: the plan is traced anew "
+                    "on a whole-tensor broadcast."
+                )
+            if not replays:
                 # Only the plan's views were staged and it no longer replays: the slot's
                 # whole tensors, which the loader may read anywhere.
                 logger.info("the load plan changed since staging: loading the whole tensors")

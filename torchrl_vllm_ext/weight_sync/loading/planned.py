@@ -39,7 +39,13 @@ from torchrl_vllm_ext.weight_sync.loading.plan import (
 )
 from torchrl_vllm_ext.weight_sync.loading.recorder import trace
 from torchrl_vllm_ext.weight_sync.loading.scatter import Changes, scatter
-from torchrl_vllm_ext.weight_sync.loading.slices import SliceReads, kept_bytes, slice_reads
+from torchrl_vllm_ext.weight_sync.loading.slices import (
+    SliceReads,
+    TensorSlice,
+    kept_bytes,
+    plan_slices,
+    slice_reads,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -146,10 +152,23 @@ class PlannedLoader:
             self._reads[key] = slice_reads(plan)
         return self._reads[key]
 
+    def slices(
+        self, key: tuple, state: Callable[[], Mapping[str, torch.Tensor]]
+    ) -> dict[str, TensorSlice] | None:
+        """Each tensor of layout ``key``: the slice this worker keeps
+        (:func:`.slices.plan_slices`); None unless a load of it would replay its plan now
+        (no plan, a refused one, plans off, or a parameter moved since it was traced)."""
+        plan = self._plans.get(key)
+        return plan_slices(plan) if self._binds(key, state) else None
+
     def replays(self, named, state: Callable[[], Mapping[str, torch.Tensor]]) -> bool:
         """Whether :meth:`load` of ``named`` would replay its layout's plan (a plan, still
         bound to the model's tensors), reading only the plan's views of them."""
-        key = layout_of(named)
+        return self._binds(layout_of(named), state)
+
+    def _binds(self, key: tuple, state: Callable[[], Mapping[str, torch.Tensor]]) -> bool:
+        """Whether layout ``key`` has a plan still bound to the model's tensors (or that
+        binds to them now)."""
         plan = self._plans.get(key)
         if not self.enabled or not isinstance(plan, LoadPlan):
             return False

@@ -89,6 +89,9 @@ class Prepared:
     written into the slot); None: the full push, not counted apart."""
     base: str | None = None
     """The version a delta push changed (every replica reached held it); None: full."""
+    sends: tuple[str, str] | None = None
+    """Broadcast: how the workers were sent the bytes and why (``per-worker``: each only
+    its slices; ``broadcast``: every byte to every worker); None: another transport."""
 
     def reached(self, replicas: Replicas) -> Replicas:
         """Those of ``replicas`` it reached, in their order."""
@@ -101,6 +104,8 @@ class Prepared:
         self.staged_in.update(other.staged_in)
         if other.sent_bytes is not None:
             self.sent_bytes = (self.sent_bytes or 0) + other.sent_bytes
+        if other.sends is not None:
+            self.sends = other.sends
         for name, seconds in other.phases.items():
             self.phases[name] = self.phases.get(name, 0.0) + seconds
 

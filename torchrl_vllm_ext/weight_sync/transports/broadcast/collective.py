@@ -114,6 +114,11 @@ class BroadcastGroup:
             self._joined.process_group.broadcast(buf.to(self._device(buf)), 0).wait()
             del buf  # a streamed bucket is freed before the next one is asked for
 
+    def send_each(self, sends: list[tuple[int, torch.Tensor]]) -> None:
+        """Send each ``(rank, payload)`` to that rank alone (per-worker sends: gloo)."""
+        for rank, payload in sends:
+            self._joined.process_group.send([payload.to(self._device(payload))], rank, 0).wait()
+
     def _device(self, buf: torch.Tensor) -> torch.device:
         """Where rank 0 sends from: gloo from the host; NCCL from the GPU the buckets were
         packed on (the trainer's, which the transport plan kept out of the group's other

@@ -1,12 +1,17 @@
 """The broadcast transport's receiver (vLLM worker side): join the trainer's process group,
 receive and verify the buckets (in a background thread before the pause, or at once for a
 restarted replica). The receive buffers are kept, holding the last version whole: a delta
-update (:mod:`...delta`) is written into them, then verified like a full one. Its sender:
-:mod:`.sender`."""
+update (:mod:`...delta`) is written into them, then verified like a full one. A
+tensor-parallel worker may instead be sent only its slices, point to point
+(:mod:`.per_worker`): it reports them (``weight_broadcast_slices``), receives its payload,
+checks its checksum and writes it into the buffers at its positions; its load plan reads
+nothing else. Its sender: :mod:`.sender`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 
 import torch
 
@@ -21,9 +26,13 @@ from torchrl_vllm_ext.weight_sync.delta import (
     words_sum,
 )
 from torchrl_vllm_ext.weight_sync.loading.loads import Loads, Received
+from torchrl_vllm_ext.weight_sync.loading.plan import Layout
+from torchrl_vllm_ext.weight_sync.loading.planned import model_state
 from torchrl_vllm_ext.weight_sync.loading.scatter import Changes
-from torchrl_vllm_ext.weight_sync.params import device_checksums
-from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, from_json
+from torchrl_vllm_ext.weight_sync.loading.slices import SliceReads
+from torchrl_vllm_ext.weight_sync.params import device_checksums, torch_dtype
+from torchrl_vllm_ext.weight_sync.specs import PerWorkerUpdate, UpdateHeader, from_json
+from torchrl_vllm_ext.weight_sync.transports.broadcast import per_worker
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import (
     JoinedGroup,
     end_group,
@@ -55,6 +64,8 @@ class BroadcastReceiver:
         """The version the buffers hold whole and verified (the base a delta changes)."""
         self.sums: list[int] = []
         """The buffers' checksums, verified (a delta's are these plus what it changed)."""
+        self.reported: dict[str, per_worker.Runs] = {}
+        """The slices this worker reported, by digest (what a per-worker payload is cut by)."""
 
     def init_weight_broadcast(
         self,
@@ -88,6 +99,69 @@ class BroadcastReceiver:
         """Receive and verify one update in a background thread (before the pause)."""
         header = from_json(header_json, UpdateHeader)
         return self.loads.stage(header.version, lambda: self._receive(header))
+
+    def weight_broadcast_slices(self, header_json: str) -> per_worker.Runs | None:
+        """The element runs this worker keeps of each tensor of ``header``'s buckets (read
+        off its load plan of that layout), or None: no plan yet, or one that would not
+        replay now."""
+        header = from_json(header_json, UpdateHeader)
+        model = self.loads.worker.get_model()
+        slices = self.loads.plans.slices(self._layout(header), lambda: model_state(model))
+        if slices is None:
+            return None
+        runs = per_worker.worker_runs(slices)
+        self.reported = {per_worker.runs_digest(runs): runs}  # the latest layout's only
+        return runs
+
+    def stage_weight_sends(self, update_json: str) -> bool:
+        """Receive this worker's slices of one update and verify them in a background
+        thread (before the pause)."""
+        update = from_json(update_json, PerWorkerUpdate)
+        return self.loads.stage(update.header.version, lambda: self._receive_slices(update))
+
+    def _receive_slices(self, update: PerWorkerUpdate) -> Received:
+        """This worker's payload of ``update``, verified, written into the receive buffers
+        at its positions: views of the buffers, of which only those positions are this
+        version's (the plan the slices came from reads nothing else)."""
+        header, mine = update.header, update.workers[self.loads.worker.rank]
+        runs = self.reported.get(mine.runs_digest)
+        payload = torch.empty(mine.nbytes, dtype=torch.uint8, device=self.device)
+        self._collect(header, [payload], point_to_point=True)
+        if runs is None:
+            raise WeightSyncError(
+                f"version {header.version}: the slices this worker was sent were cut by runs "
+                f"it does not hold (digest {mine.runs_digest}); nothing was loaded. Push "
+                "again: the next push asks every worker for its slices anew."
+            )
+        (got,) = device_checksums([payload])
+        if got != mine.checksum:
+            raise WeightSyncError(
+                f"the slices worker {self.loads.worker.rank} was sent of version "
+                f"{header.version} (per-worker send, {mine.nbytes} bytes) do not match the "
+                f"trainer's (checksum {got} != {mine.checksum}); nothing was loaded."
+            )
+        self.held = None  # the buffers hold this version's slices only
+        buffers = [
+            _buffer(self.buffers, i, b.nbytes, self.device) for i, b in enumerate(header.buckets)
+        ]
+        per_worker.scatter(payload, per_worker.byte_runs(header, runs), buffers)
+        reads = self.loads.plans.reads(self._layout(header))
+        if reads is None:
+            raise WeightSyncError(
+                f"version {header.version}: this worker's load plan of the layout it reported "
+                "slices of is gone; nothing was loaded. Push again."
+            )
+        return Received(self._views(header), reads=_sent(reads, header, runs, mine.nbytes))
+
+    def _layout(self, header: UpdateHeader) -> Layout:
+        """The layout key of ``header``'s tensors as this worker receives them (contiguous
+        views of the receive buffers on its device)."""
+        device = (self.device or torch.device("cpu")).type
+        return tuple(
+            (spec.name, spec.shape, _contiguous(spec.shape), torch_dtype(bucket.dtype), device)
+            for bucket in header.buckets
+            for spec in bucket.tensors
+        )
 
     def _receive(self, header: UpdateHeader) -> Received:
         """Every bucket of ``header``'s version, verified, as views of the receive buffers
@@ -138,9 +212,12 @@ class BroadcastReceiver:
         self.held = header.version
         return Received(self._views(header), Changes(header.base, tuple(changed)))
 
-    def _collect(self, header: UpdateHeader, buffers: list[torch.Tensor]) -> torch.Tensor | None:
+    def _collect(
+        self, header: UpdateHeader, buffers: list[torch.Tensor], point_to_point: bool = False
+    ) -> torch.Tensor | None:
         """Receive ``buffers`` in order (and the int64 checksums that follow them, if the
-        header says so); a cut-off broadcast ends the group and raises."""
+        header says so), broadcast or (``point_to_point``) sent to this worker alone; a
+        cut-off receive ends the group and raises."""
         group = self.group
         if group is None:
             raise WeightSyncError(
@@ -149,7 +226,10 @@ class BroadcastReceiver:
         sums = None
         for i, buf in enumerate(buffers):
             try:
-                group.process_group.broadcast(buf, 0).wait()
+                if point_to_point:
+                    group.process_group.recv([buf], 0, 0).wait()
+                else:
+                    group.process_group.broadcast(buf, 0).wait()
                 if header.checksums_follow and i == len(buffers) - 1:
                     sums = torch.empty(len(buffers), dtype=torch.int64, device=self.device)
                     group.process_group.broadcast(sums, 0).wait()
@@ -197,6 +277,19 @@ class BroadcastReceiver:
             end_group(self.backend, group.process_group)
         self.buffers, self.held = [], None
         return group is not None
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+def _sent(reads: SliceReads, header: UpdateHeader, runs, nbytes: int) -> SliceReads:
+    """``reads`` (the plan's) with what a per-worker send moved: ``nbytes`` in all, and
+    of the tensors read as slices, exactly their runs."""
+    size = {s.name: torch_dtype(b.dtype).itemsize for b in header.buckets for s in b.tensors}
+    sliced = sum((b - a) * size[name] for name in reads.views for a, b in runs[name])
+    return dataclasses.replace(reads, received_bytes=nbytes, sliced_received=sliced)
 
 
 def _buffer(kept: list[torch.Tensor], i: int, nbytes: int, device: torch.device) -> torch.Tensor:

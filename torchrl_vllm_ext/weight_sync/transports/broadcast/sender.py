@@ -22,7 +22,7 @@ import asyncio
 import dataclasses
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import ray
@@ -42,8 +42,23 @@ from torchrl_vllm_ext.weight_sync.params import (
     require_all_finite,
     torch_dtype,
 )
-from torchrl_vllm_ext.weight_sync.specs import UpdateHeader, to_json
+from torchrl_vllm_ext.weight_sync.specs import (
+    PerWorkerUpdate,
+    UpdateHeader,
+    WorkerPayload,
+    to_json,
+)
 from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import BroadcastGroup
+from torchrl_vllm_ext.weight_sync.transports.broadcast.per_worker import (
+    BROADCAST,
+    PER_WORKER,
+    Runs,
+    broadcast_reason,
+    byte_runs,
+    choose_route,
+    gather,
+    runs_digest,
+)
 from torchrl_vllm_ext.weight_sync.transports.packing import Packed, with_checksums
 from torchrl_vllm_ext.weight_sync.transports.protocol import (
     Outcomes,
@@ -58,6 +73,33 @@ from torchrl_vllm_ext.weight_sync.transports.protocol import (
 )
 from torchrl_vllm_ext.weight_sync.transports.versions import PackedVersions
 from torchrl_vllm_ext.weight_sync.transports.waits import wait_for_answers, wait_staged
+
+
+def _cut(
+    header: UpdateHeader,
+    buffers: list[torch.Tensor],
+    reported: dict[int, list[Runs]],
+    replicas: Replicas,
+    workers: int,
+) -> tuple[dict[int, str], list[tuple[int, torch.Tensor]]]:
+    """Each replica's :class:`PerWorkerUpdate` (JSON) and every ``(group rank, payload)``
+    to send: each worker's slices cut from the buckets (workers that keep the same
+    slices share one payload)."""
+    payloads: dict[str, tuple[WorkerPayload, torch.Tensor]] = {}
+    updates, sends = {}, []
+    for i, r in enumerate(replicas):
+        specs = []
+        for w, runs in enumerate(reported[r.replica_id]):
+            digest = runs_digest(runs)
+            if digest not in payloads:
+                payload = gather(buffers, byte_runs(header, runs))
+                spec = WorkerPayload(payload.numel(), device_checksums([payload])[0], digest)
+                payloads[digest] = (spec, payload)
+            spec, payload = payloads[digest]
+            specs.append(spec)
+            sends.append((1 + i * workers + w, payload))
+        updates[r.replica_id] = to_json(PerWorkerUpdate(header, tuple(specs)))
+    return updates, sends
 
 
 def _with_checksums(buckets: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
@@ -164,17 +206,90 @@ class BroadcastTransport(Transport, Streamed):
         nbytes = sum(b.numel() * b.element_size() for b in packed.buffers)
         header, buffers = (packed.header, packed.buffers) if delta is None else delta
         try:
-            prepared = await self._broadcast(header, buffers, nbytes, version, replicas)
+            sends, why, reported = await self._choose_sends(header, replicas)
+            if sends == PER_WORKER:
+                prepared = await self._send_per_worker(header, buffers, reported, nbytes, replicas)
+            else:
+                prepared = await self._broadcast(header, buffers, nbytes, version, replicas)
         except BaseException:
             self._held.clear()  # what the workers hold is unknown: the next push is full
             raise
         self._versions.stage(packed)
+        sent = prepared.sent_bytes
         return Prepared(
             prepared.calls,
             prepared.staged_in,
             {**phases, **prepared.phases},
-            sent_bytes=sum(b.numel() for b in buffers),
+            sent_bytes=sum(b.numel() for b in buffers) if sent is None else sent,
             base=header.base or None,
+            sends=(sends, why),
+        )
+
+    async def _choose_sends(
+        self, header: UpdateHeader, replicas: Replicas
+    ) -> tuple[str, str, dict[int, list[Runs | None]]]:
+        """Whether ``header``'s push is sent per worker (:mod:`.per_worker`): ``(route,
+        why, each replica's workers' slices)``; the workers are asked for their slices
+        only where per-worker sends may be done."""
+        why = broadcast_reason(
+            self.backend, self.fleet.workers_per_replica, self._dtype is not None
+        )
+        if header.base:
+            why = "a delta push changes the whole buffers every worker holds"
+        if why is not None or not replicas:
+            return BROADCAST, why or "no replica to push to", {}
+        outcomes = await self.fleet.call_all(
+            "collective_rpc",
+            WorkerMethods.BROADCAST_SLICES,
+            (to_json(header),),
+            replicas=replicas,
+            deadline=self.deadline.answer_s,
+        )
+        self._check(outcomes, "the slices report", header.version)
+        reported = dict(outcomes.results)
+        return (*choose_route(reported), reported)
+
+    async def _send_per_worker(
+        self,
+        header: UpdateHeader,
+        buffers: list[torch.Tensor],
+        reported: dict[int, list[Runs]],
+        nbytes: int,
+        replicas: Replicas,
+    ) -> Prepared:
+        """2) to 5) of ``prepare``, each worker sent only its slices (``reported``) point
+        to point: its payload cut from the buckets and checksummed, its header
+        (``stage_weight_sends``), then one send per worker. The workers' buffers then
+        hold slices only: no delta is based on them."""
+        version = header.version
+        limit = self.deadline.for_bytes(nbytes)
+        t0 = time.perf_counter()
+        await self._ensure_group(replicas, limit)  # 2) ranks follow ``replicas``' order
+        updates, sends = await asyncio.to_thread(
+            _cut, header, buffers, reported, replicas, self.fleet.workers_per_replica
+        )
+        t1 = time.perf_counter()
+
+        def stage(r):
+            args = (updates[r.replica_id],)
+            return r.handle.collective_rpc.remote(WorkerMethods.STAGE_SENDS, args)
+
+        staged = await self.fleet.call_each(  # 3)
+            stage, replicas, "collective_rpc", deadline=self.deadline.answer_s
+        )
+        self._check(staged, "stage", version)
+        for r in replicas:
+            self._held.pop(r.process, None)
+        try:
+            await self._send(lambda: self.group.send_each(sends), replicas, version, limit)
+        except BaseException:
+            self._drop_group()
+            raise
+        call = WorkerCall(WorkerMethods.APPLY_STAGED, (version,))
+        return Prepared(
+            calls_for(replicas, call),
+            phases={"cut": t1 - t0, "send": time.perf_counter() - t1},
+            sent_bytes=sum(p.numel() for _, p in sends),
         )
 
     def _delta_base(self, packed: Packed, replicas: Replicas) -> Packed | None:
@@ -263,7 +378,7 @@ class BroadcastTransport(Transport, Streamed):
         )
         self._check(staged, "stage", version)
         try:
-            await self._send(buffers, replicas, version, limit)  # 4) and 5)
+            await self._send(lambda: self.group.send(buffers), replicas, version, limit)  # 4), 5)
         except BaseException:
             self._drop_group()
             raise
@@ -272,10 +387,13 @@ class BroadcastTransport(Transport, Streamed):
         call = WorkerCall(WorkerMethods.APPLY_STAGED, (version,))
         return Prepared(calls_for(replicas, call), phases={"send": time.perf_counter() - t1})
 
-    async def _send(self, buffers, replicas: Replicas, version: str, limit: float) -> None:
-        """4) Broadcast the buckets (in a thread) while 5) polling every replica until
-        each worker verified them, all within ``limit`` seconds."""
-        sending = asyncio.ensure_future(asyncio.to_thread(self.group.send, buffers))
+    async def _send(
+        self, send: Callable[[], None], replicas: Replicas, version: str, limit: float
+    ) -> None:
+        """4) Send (``send``: the buckets' broadcast or the per-worker sends, in a thread)
+        while 5) polling every replica until each worker verified them, all within
+        ``limit`` seconds."""
+        sending = asyncio.ensure_future(asyncio.to_thread(send))
         # If a failed replica ends this push first, the send ends later (the killed
         # member's sockets close, or the group's timeout): its error is not news then.
         sending.add_done_callback(lambda f: f.cancelled() or f.exception())

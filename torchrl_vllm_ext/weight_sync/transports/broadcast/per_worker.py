@@ -1,0 +1,164 @@
+"""Per-worker sends: each worker of a tensor-parallel replica receives, point to point in
+the broadcast group, only the bytes it keeps (its slices, read off its load plan:
+:mod:`...loading.slices`), not every byte of every tensor.
+
+The worker reports its slices as element runs by tensor name (plain data:
+:func:`worker_runs`); the sender cuts the packed buckets by them into one payload per
+worker (:func:`byte_runs`, :func:`gather`), checksums it and sends it to that worker
+alone; the worker checks the checksum and writes the payload back at its positions in
+its whole-sized receive buffers (:func:`scatter`), then loads through its plan, which
+reads only those positions. A tensor the worker keeps whole (the loader computes from
+it, a replicated norm) goes whole. :func:`broadcast_reason` and :func:`choose_route` say,
+with the reason, whether a push goes this way or as one broadcast of every byte to every
+worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import numpy as np
+import torch
+
+from torchrl_vllm_ext.weight_sync.loading.slices import TensorSlice, merge_runs
+from torchrl_vllm_ext.weight_sync.params import torch_dtype
+from torchrl_vllm_ext.weight_sync.specs import UpdateHeader
+
+Runs = dict[str, list[list[int]]]
+"""Tensor name -> the ``[start, stop)`` element runs a worker keeps of it (flattened,
+contiguous layout): what a worker reports (plain data)."""
+
+BROADCAST = "broadcast"
+"""The route that sends every worker every byte (one collective per bucket)."""
+PER_WORKER = "per-worker"
+"""The route that sends each worker only its slices, point to point."""
+
+
+def worker_runs(slices: dict[str, TensorSlice]) -> Runs:
+    """A worker's slices as plain data (what it reports to the sender).
+
+    Examples:
+        >>> worker_runs({"w": TensorSlice.of(8, [(4, 6), (0, 2)])})
+        {'w': [[0, 2], [4, 6]]}
+    """
+    return {name: [list(run) for run in s.runs] for name, s in slices.items()}
+
+
+def runs_digest(runs: Runs) -> str:
+    """A digest of ``runs``: the sender names the runs it cut a payload by, the worker
+    checks that they are the ones it holds.
+
+    Examples:
+        >>> runs_digest({"w": [[0, 2]]}) == runs_digest({"w": [[0, 2]]})
+        True
+        >>> runs_digest({"w": [[0, 2]]}) == runs_digest({"w": [[0, 3]]})
+        False
+    """
+    text = json.dumps(sorted(runs.items()), separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def byte_runs(header: UpdateHeader, runs: Runs) -> np.ndarray:
+    """``[bucket, start, stop)`` byte runs of the packed buckets of ``header`` that hold
+    the elements of ``runs``, in bucket order, touching runs merged: what a worker
+    receives, in the order it is packed. Every tensor of the header must be named.
+
+    Examples:
+        >>> from torchrl_vllm_ext.weight_sync.transports.packing import pack
+        >>> header = pack({"a": torch.zeros(4), "b": torch.zeros(2)}, "1").header
+        >>> byte_runs(header, {"a": [[1, 2]], "b": [[0, 2]]}).tolist()
+        [[0, 4, 8], [0, 16, 24]]
+        >>> byte_runs(header, {"a": [[2, 4]], "b": [[0, 2]]}).tolist()  # touching: one
+        [[0, 8, 24]]
+    """
+    out = []
+    for i, bucket in enumerate(header.buckets):
+        size, offset, pieces = torch_dtype(bucket.dtype).itemsize, 0, []
+        for spec in bucket.tensors:
+            numel = math.prod(spec.shape)
+            kept = np.asarray(runs[spec.name], dtype=np.int64).reshape(-1, 2)
+            if len(kept) and (kept.min() < 0 or kept.max() > numel):
+                raise ValueError(
+                    f"runs of {spec.name} reach past its {numel} elements: {kept.tolist()[:4]}"
+                )
+            pieces.append(offset + kept * size)
+            offset += numel * size
+        merged = merge_runs(np.concatenate(pieces)) if pieces else []
+        out.extend((i, start, stop) for start, stop in merged if stop > start)
+    return np.asarray(out, dtype=np.int64).reshape(-1, 3)
+
+
+def gather(buffers: list[torch.Tensor], runs: np.ndarray) -> torch.Tensor:
+    """The bytes of ``runs`` (:func:`byte_runs`) of the packed ``buffers``, end to end:
+    one worker's payload.
+
+    Examples:
+        >>> buffers = [torch.arange(10, dtype=torch.uint8)]
+        >>> gather(buffers, np.array([[0, 1, 3], [0, 7, 8]])).tolist()
+        [1, 2, 7]
+    """
+    if not len(runs):
+        device = buffers[0].device if buffers else torch.device("cpu")
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.cat([buffers[b][start:stop] for b, start, stop in runs.tolist()])
+
+
+def scatter(payload: torch.Tensor, runs: np.ndarray, buffers: list[torch.Tensor]) -> None:
+    """Write ``payload`` (:func:`gather`'s) back at its ``runs`` in ``buffers``.
+
+    Examples:
+        >>> buffers = [torch.zeros(10, dtype=torch.uint8)]
+        >>> scatter(torch.tensor([1, 2, 7], dtype=torch.uint8), np.array([[0, 1, 3], [0, 7, 8]]), buffers)
+        >>> buffers[0].tolist()
+        [0, 1, 2, 0, 0, 0, 0, 7, 0, 0]
+    """
+    lengths = (runs[:, 2] - runs[:, 1]).tolist() if len(runs) else []
+    if sum(lengths) != payload.numel():
+        raise ValueError(f"a payload of {payload.numel()} bytes for runs of {sum(lengths)}")
+    for (b, start, stop), piece in zip(runs.tolist(), payload.split(lengths), strict=True):
+        buffers[b][start:stop].copy_(piece)
+
+
+def broadcast_reason(backend: str, workers_per_replica: int, delta_pushes: bool) -> str | None:
+    """Why every worker is sent every byte whatever its slices (None: per-worker sends may
+    be done, once every worker reports its slices: :func:`choose_route`).
+
+    Examples:
+        >>> broadcast_reason("gloo", 1, False)
+        'one worker per replica keeps every byte'
+        >>> broadcast_reason("gloo", 2, False) is None
+        True
+    """
+    if workers_per_replica < 2:
+        return "one worker per replica keeps every byte"
+    if backend != "gloo":
+        return f"per-worker sends are done over gloo only, not {backend}"
+    if delta_pushes:
+        return "delta pushes on: the workers hold every byte (a delta's base)"
+    return None
+
+
+def choose_route(reported: dict[int, list[Runs | None]]) -> tuple[str, str]:
+    """How a full push reaches the workers, once :func:`broadcast_reason` allows
+    per-worker sends: ``(route, why)``, :data:`PER_WORKER` when every worker of every
+    replica reported its slices, else :data:`BROADCAST`. ``reported``: per replica, each
+    worker's runs (None: no load plan of this layout yet, or one that would not replay now).
+
+    Examples:
+        >>> choose_route({0: [{"w": [[0, 2]]}, {"w": [[2, 4]]}]})
+        ('per-worker', 'each worker is sent only the slices its load plan keeps')
+        >>> choose_route({0: [{"w": [[0, 2]]}, None]})[1]
+        'worker 1 of replica 0 has no load plan of this layout to replay (the first push of a layout traces it)'
+    """
+    if not reported:
+        return BROADCAST, "no replica reported its workers' slices"
+    for rid, workers in sorted(reported.items()):
+        for rank, runs in enumerate(workers):
+            if runs is None:
+                return BROADCAST, (
+                    f"worker {rank} of replica {rid} has no load plan of this layout to "
+                    "replay (the first push of a layout traces it)"
+                )
+    return PER_WORKER, "each worker is sent only the slices its load plan keeps"
