@@ -159,7 +159,7 @@ def test_tensor_parallel_replica_workers_read_only_their_slices(tiny_model, ray_
         **ENGINE_KWARGS,
     ) as tp2:
         storage = WeightSyncScheme(tp2, transport="storage")
-        broadcast = WeightSyncScheme(tp2, transport="broadcast")
+        broadcast = WeightSyncScheme(tp2, transport="broadcast", per_worker_sends=False)
         with storage, broadcast:
             perturb(trainer, seed=1)
             before = {k: v.clone() for k, v in trainer.state_dict().items()}
@@ -190,6 +190,62 @@ def test_tensor_parallel_replica_workers_read_only_their_slices(tiny_model, ray_
             assert [w.received for w in whole] == [w.nbytes for w in whole]
             for rid, (logprobs, version) in replica_logprobs(tp2).items():
                 assert version == "tp2-whole"
+                assert torch.equal(logprobs, sliced[rid][0])
+
+
+def test_tensor_parallel_replica_workers_are_sent_only_their_slices_by_broadcast(
+    tiny_model, ray_cluster, trainer
+):
+    """Broadcast on a TP=2 replica (gloo): the first push of a layout goes to every worker
+    whole (the load plans are traced); from the next one each worker is sent, point to
+    point, only its slices of the tensors its plan cuts (received / kept = 1.0 on them)
+    and the others whole, by name; the replica serves the trainer's log-probs, bitwise
+    those of a whole-tensor broadcast of the same weights."""
+    with VLLMService.launch(
+        tiny_model,
+        num_replicas=1,
+        tensor_parallel_size=2,
+        cpus_per_replica=CPUS_PER_REPLICA,
+        health_check_interval=0,
+        **ENGINE_KWARGS,
+    ) as tp2:
+        perturb(trainer, seed=11)
+        before = {k: v.clone() for k, v in trainer.state_dict().items()}
+        perturb(trainer, seed=12)
+        weights = {k: v.clone() for k, v in trainer.state_dict().items()}
+        with WeightSyncScheme(tp2, transport="broadcast") as scheme:
+            traced = scheme.push(before, version="bc-trace")
+            assert traced.sends == "broadcast", traced.sends_why
+            assert "no load plan of this layout" in traced.sends_why
+            assert [w.received for w in traced.reads[tp2.replica_ids[0]]] == [traced.nbytes] * 2
+
+            report = scheme.push(weights, version="bc-slices")
+            assert report.sends == "per-worker", report.sends_why
+            assert_replicas_match(tp2, trainer, "bc-slices")
+            sliced = replica_logprobs(tp2)
+            (workers,) = report.reads.values()
+            for rank, w in enumerate(workers):
+                print(
+                    f"tp2 broadcast rank {rank}: pushed {w.nbytes}, received {w.received}, "
+                    f"kept {w.kept}, sliced {w.sliced_received}/{w.sliced_kept}, "
+                    f"whole {len(w.whole)}: {sorted(set(w.whole.values()))}"
+                )
+                assert w.sliced_ratio == 1.0, w
+                assert w.received == w.kept < w.nbytes, w
+                assert w.whole and all(w.whole.values()), w  # the norms, by name and why
+            assert report.sent_bytes == sum(w.received for w in workers)
+            assert report.sent_bytes < 2 * report.nbytes  # what a broadcast to both moves
+            print(f"tp2 broadcast: sent {report.sent_bytes} of {report.nbytes} x 2 workers")
+
+        # The same weights broadcast whole to every worker: bitwise the same log-probs.
+        with WeightSyncScheme(tp2, transport="broadcast", per_worker_sends=False) as whole:
+            whole.push(before, version="bc-whole-before")
+            report = whole.push(weights, version="bc-whole")
+            assert report.sends == "broadcast" and "per_worker_sends=False" in report.sends_why
+            (received,) = report.reads.values()
+            assert [w.received for w in received] == [w.nbytes for w in received]
+            for rid, (logprobs, version) in replica_logprobs(tp2).items():
+                assert version == "bc-whole"
                 assert torch.equal(logprobs, sliced[rid][0])
 
 

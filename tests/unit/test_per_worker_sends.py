@@ -112,6 +112,7 @@ def test_the_route_and_its_reason():
     assert "gloo only, not nccl" in broadcast_reason("nccl", 2, False)
     assert broadcast_reason("gloo", 2, True).startswith("delta pushes on")
     assert broadcast_reason("gloo", 2, False) is None
+    assert "per_worker_sends=False" in broadcast_reason("gloo", 2, False, per_worker_sends=False)
     two = [{"w": [[0, 2]]}, {"w": [[2, 4]]}]
     assert choose_route({0: two, 1: two})[0] == PER_WORKER
     route, why = choose_route({0: two, 1: [two[0], None]})

@@ -110,6 +110,12 @@ class WeightSyncScheme:
             the sender's checksums; storage writes whole slots of the served dtype (a delta
             gains nothing there: :mod:`~torchrl_vllm_ext.weight_sync.delta`).
             ``SyncReport.sent_bytes`` says what moved.
+        per_worker_sends: ``broadcast`` to tensor-parallel replicas over gloo: once each
+            worker's load plan of the push's layout is traced, send each worker only the
+            bytes it keeps (its slices; the tensors it keeps whole, whole), point to point,
+            instead of every byte to every worker (``SyncReport.sends`` says which, and
+            why; ``SyncReport.reads`` what each worker received against what it keeps).
+            False: every push is one broadcast of every byte.
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
@@ -132,6 +138,7 @@ class WeightSyncScheme:
         verify: bool | str = "first",
         verify_tol: float | None = None,
         delta: bool | str = "auto",
+        per_worker_sends: bool = True,
     ):
         if timeout_s is not None:  # one rule: a duration argument is `timeout`, in seconds
             warnings.warn(
@@ -164,6 +171,7 @@ class WeightSyncScheme:
                 deadline=deadline,
                 storage_dir=storage_dir,
                 delta_dtype=self.delta_dtype,
+                per_worker_sends=per_worker_sends,
             ),
         )
         if rollout == "rolling" and not self.transport_impl.loads_one_at_a_time:

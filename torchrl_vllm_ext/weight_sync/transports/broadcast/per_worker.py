@@ -121,7 +121,9 @@ def scatter(payload: torch.Tensor, runs: np.ndarray, buffers: list[torch.Tensor]
         buffers[b][start:stop].copy_(piece)
 
 
-def broadcast_reason(backend: str, workers_per_replica: int, delta_pushes: bool) -> str | None:
+def broadcast_reason(
+    backend: str, workers_per_replica: int, delta_pushes: bool, per_worker_sends: bool = True
+) -> str | None:
     """Why every worker is sent every byte whatever its slices (None: per-worker sends may
     be done, once every worker reports its slices: :func:`choose_route`).
 
@@ -131,6 +133,8 @@ def broadcast_reason(backend: str, workers_per_replica: int, delta_pushes: bool)
         >>> broadcast_reason("gloo", 2, False) is None
         True
     """
+    if not per_worker_sends:
+        return "per-worker sends are off (per_worker_sends=False)"
     if workers_per_replica < 2:
         return "one worker per replica keeps every byte"
     if backend != "gloo":

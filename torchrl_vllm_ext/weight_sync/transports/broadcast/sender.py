@@ -232,7 +232,10 @@ class BroadcastTransport(Transport, Streamed):
         why, each replica's workers' slices)``; the workers are asked for their slices
         only where per-worker sends may be done."""
         why = broadcast_reason(
-            self.backend, self.fleet.workers_per_replica, self._dtype is not None
+            self.backend,
+            self.fleet.workers_per_replica,
+            self._dtype is not None,
+            self.options.per_worker_sends,
         )
         if header.base:
             why = "a delta push changes the whole buffers every worker holds"
