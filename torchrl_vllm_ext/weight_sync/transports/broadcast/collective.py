@@ -117,6 +117,8 @@ class BroadcastGroup:
     def send_each(self, sends: list[tuple[int, torch.Tensor]]) -> None:
         """Send each ``(rank, payload)`` to that rank alone (per-worker sends: gloo)."""
         for rank, payload in sends:
+            if not payload.numel():  # it keeps nothing: nothing is sent (nor received)
+                continue
             self._joined.process_group.send([payload.to(self._device(payload))], rank, 0).wait()
 
     def _device(self, buf: torch.Tensor) -> torch.device:

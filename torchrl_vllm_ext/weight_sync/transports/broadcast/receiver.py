@@ -126,7 +126,8 @@ class BroadcastReceiver:
         header, mine = update.header, update.workers[self.loads.worker.rank]
         runs = self.reported.get(mine.runs_digest)
         payload = torch.empty(mine.nbytes, dtype=torch.uint8, device=self.device)
-        self._collect(header, [payload], point_to_point=True)
+        if mine.nbytes:  # a worker that keeps nothing is sent nothing
+            self._collect(header, [payload], point_to_point=True)
         if runs is None:
             raise WeightSyncError(
                 f"version {header.version}: the slices this worker was sent were cut by runs "
