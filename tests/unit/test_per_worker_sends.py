@@ -41,17 +41,23 @@ from torchrl_vllm_ext.weight_sync.transports.packing import pack, unpack
 
 
 def random_runs(numel: int, rng: np.random.Generator) -> list[list[int]]:
-    """Random disjoint runs of ``numel`` elements (sometimes none, sometimes all)."""
-    kind = rng.integers(4)
+    """Random disjoint runs of ``numel`` elements (sometimes none, all, or a column
+    block)."""
+    kind = rng.integers(5)
     if kind == 0:
         return []
     if kind == 1:
         return [[0, numel]]
+    if kind == 2 and numel >= 4:  # a column block of every row: equal runs, one step apart
+        step = int(rng.integers(2, numel // 2 + 1))
+        length = int(rng.integers(1, step))
+        first = int(rng.integers(0, step - length + 1))
+        return [[a, a + length] for a in range(first, numel - length + 1, step)]
     cuts = np.unique(rng.integers(0, numel + 1, size=6))
     return [[int(a), int(b)] for a, b in zip(cuts[::2], cuts[1::2], strict=False) if b > a]
 
 
-@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("seed", range(8))
 def test_each_element_of_a_workers_slices_is_cut_once_and_written_back_at_its_place(seed):
     rng = np.random.default_rng(seed)
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

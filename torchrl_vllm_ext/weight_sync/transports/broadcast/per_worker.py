@@ -90,6 +90,34 @@ def byte_runs(header: UpdateHeader, runs: Runs) -> np.ndarray:
     return np.asarray(out, dtype=np.int64).reshape(-1, 3)
 
 
+def strided(runs: np.ndarray) -> list[tuple[int, int, int, int, int]]:
+    """``runs`` (:func:`byte_runs`) as ``(bucket, start, count, length, step)`` groups of
+    equal runs at a constant step (a column shard: one group per tensor, not one run per
+    row), so that cutting and writing back take one strided copy per group.
+
+    Examples:
+        >>> strided(np.array([[0, 0, 2], [0, 4, 6], [0, 8, 10], [0, 11, 12], [1, 0, 4]]))
+        [(0, 0, 3, 2, 4), (0, 11, 1, 1, 1), (1, 0, 1, 4, 4)]
+    """
+    rows, groups, i = runs.tolist(), [], 0
+    while i < len(rows):
+        bucket, start, stop = rows[i]
+        length, step, j = stop - start, None, i + 1
+        while j < len(rows) and rows[j][0] == bucket and rows[j][2] - rows[j][1] == length:
+            gap = rows[j][1] - rows[j - 1][1]
+            if step is not None and gap != step:
+                break
+            step, j = gap, j + 1
+        groups.append((bucket, start, j - i, length, length if step is None else step))
+        i = j
+    return groups
+
+
+def _block(buffer: torch.Tensor, start: int, count: int, length: int, step: int) -> torch.Tensor:
+    """The ``count`` runs of ``length`` bytes from ``start``, ``step`` apart, as a view."""
+    return buffer[start:].as_strided((count, length), (step, 1))
+
+
 def gather(buffers: list[torch.Tensor], runs: np.ndarray) -> torch.Tensor:
     """The bytes of ``runs`` (:func:`byte_runs`) of the packed ``buffers``, end to end:
     one worker's payload.
@@ -102,7 +130,8 @@ def gather(buffers: list[torch.Tensor], runs: np.ndarray) -> torch.Tensor:
     if not len(runs):
         device = buffers[0].device if buffers else torch.device("cpu")
         return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.cat([buffers[b][start:stop] for b, start, stop in runs.tolist()])
+    blocks = [_block(buffers[b], *group).reshape(-1) for b, *group in strided(runs)]
+    return torch.cat(blocks)
 
 
 def scatter(payload: torch.Tensor, runs: np.ndarray, buffers: list[torch.Tensor]) -> None:
@@ -114,11 +143,14 @@ def scatter(payload: torch.Tensor, runs: np.ndarray, buffers: list[torch.Tensor]
         >>> buffers[0].tolist()
         [0, 1, 2, 0, 0, 0, 0, 7, 0, 0]
     """
-    lengths = (runs[:, 2] - runs[:, 1]).tolist() if len(runs) else []
-    if sum(lengths) != payload.numel():
-        raise ValueError(f"a payload of {payload.numel()} bytes for runs of {sum(lengths)}")
-    for (b, start, stop), piece in zip(runs.tolist(), payload.split(lengths), strict=True):
-        buffers[b][start:stop].copy_(piece)
+    total = int((runs[:, 2] - runs[:, 1]).sum()) if len(runs) else 0
+    if total != payload.numel():
+        raise ValueError(f"a payload of {payload.numel()} bytes for runs of {total}")
+    groups = strided(runs)
+    pieces = payload.split([count * length for _, _, count, length, _ in groups])
+    for (b, *group), piece in zip(groups, pieces, strict=True):
+        block = _block(buffers[b], *group)
+        block.copy_(piece.view(block.shape))
 
 
 def broadcast_reason(
