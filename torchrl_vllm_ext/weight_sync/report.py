@@ -26,8 +26,8 @@ class SyncReport:
     """Seconds per phase. Storage: validate, write (copy, finiteness and checksums in one
     pass), stage (replicas checksum the slot), apply (pause, load, resume), load (the
     slowest replica's pause-and-load call, from its send to its answer). Broadcast:
-    validate, pack, send (workers
-    receive and verify while generating), apply, load. Both, on a verified push:
+    validate, pack, cut (per-worker sends: each worker's slices cut from the buckets),
+    send (workers receive and verify while generating), apply, load. Both, on a verified push:
     reference (the trainer's probe log-probs, beside prepare), verify (every replica's
     probe, after its pause). A sharded push: its ranks' steps first (agree, reference:
     their collective forward, ranks_write: storage), then the scheme's (publish or send,

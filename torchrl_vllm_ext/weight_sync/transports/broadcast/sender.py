@@ -268,10 +268,11 @@ class BroadcastTransport(Transport, Streamed):
         limit = self.deadline.for_bytes(nbytes)
         t0 = time.perf_counter()
         await self._ensure_group(replicas, limit)  # 2) ranks follow ``replicas``' order
+        t1 = time.perf_counter()
         updates, sends = await asyncio.to_thread(
             _cut, header, buffers, reported, replicas, self.fleet.workers_per_replica
         )
-        t1 = time.perf_counter()
+        cut = time.perf_counter() - t1
 
         def stage(r):
             args = (updates[r.replica_id],)
@@ -283,15 +284,16 @@ class BroadcastTransport(Transport, Streamed):
         self._check(staged, "stage", version)
         for r in replicas:
             self._held.pop(r.process, None)
+        group = self.group
         try:
-            await self._send(lambda: self.group.send_each(sends), replicas, version, limit)
+            await self._send(lambda: group.send_each(sends), replicas, version, limit)
         except BaseException:
             self._drop_group()
             raise
         call = WorkerCall(WorkerMethods.APPLY_STAGED, (version,))
         return Prepared(
             calls_for(replicas, call),
-            phases={"cut": t1 - t0, "send": time.perf_counter() - t1},
+            phases={"cut": cut, "send": time.perf_counter() - t0 - cut},
             sent_bytes=sum(p.numel() for _, p in sends),
         )
 
@@ -380,8 +382,9 @@ class BroadcastTransport(Transport, Streamed):
             deadline=self.deadline.answer_s,
         )
         self._check(staged, "stage", version)
+        group = self.group
         try:
-            await self._send(lambda: self.group.send(buffers), replicas, version, limit)  # 4), 5)
+            await self._send(lambda: group.send(buffers), replicas, version, limit)  # 4), 5)
         except BaseException:
             self._drop_group()
             raise
