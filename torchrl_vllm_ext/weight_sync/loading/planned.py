@@ -133,6 +133,7 @@ class PlannedLoader:
         self._bound: dict[tuple, BoundPlan] = {}
         self._kept: dict[tuple, int] = {}
         self._reads: dict[tuple, SliceReads] = {}
+        self._slices: dict[tuple, dict[str, TensorSlice]] = {}
         self.written: tuple | None = None
         """The layout whose plan the last load wrote through (replay, trace, scatter);
         None after any other load (the loader's, a failed one)."""
@@ -158,8 +159,11 @@ class PlannedLoader:
         """Each tensor of layout ``key``: the slice this worker keeps
         (:func:`.slices.plan_slices`); None unless a load of it would replay its plan now
         (no plan, a refused one, plans off, or a parameter moved since it was traced)."""
-        plan = self._plans.get(key)
-        return plan_slices(plan) if self._binds(key, state) else None
+        if not self._binds(key, state):
+            return None
+        if key not in self._slices:
+            self._slices[key] = plan_slices(self._plans[key])
+        return self._slices[key]
 
     def replays(self, named, state: Callable[[], Mapping[str, torch.Tensor]]) -> bool:
         """Whether :meth:`load` of ``named`` would replay its layout's plan (a plan, still
@@ -182,6 +186,7 @@ class PlannedLoader:
         self._bound.clear()
         self._kept.clear()
         self._reads.clear()
+        self._slices.clear()
         self.written = None
 
     def scatter(
@@ -319,12 +324,14 @@ class PlannedLoader:
         self._plans[key] = plan
         self._kept.pop(key, None)  # worked out from the plan it replaces
         self._reads.pop(key, None)
+        self._slices.pop(key, None)
         self._plans.move_to_end(key)
         while len(self._plans) > self.keep:
             old, _ = self._plans.popitem(last=False)
             self._bound.pop(old, None)
             self._kept.pop(old, None)
             self._reads.pop(old, None)
+            self._slices.pop(old, None)
 
 
 def _reasons(loader: dict[str, str], limit: int = 3) -> str:

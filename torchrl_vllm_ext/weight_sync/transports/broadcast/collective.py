@@ -116,10 +116,15 @@ class BroadcastGroup:
 
     def send_each(self, sends: list[tuple[int, torch.Tensor]]) -> None:
         """Send each ``(rank, payload)`` to that rank alone (per-worker sends: gloo)."""
-        for rank, payload in sends:
-            if not payload.numel():  # it keeps nothing: nothing is sent (nor received)
-                continue
-            self._joined.process_group.send([payload.to(self._device(payload))], rank, 0).wait()
+        pg = self._joined.process_group
+        # Every send in flight at once (each to another rank), then waited for.
+        works = [
+            pg.send([payload.to(self._device(payload))], rank, 0)
+            for rank, payload in sends
+            if payload.numel()  # it keeps nothing: nothing is sent (nor received)
+        ]
+        for work in works:
+            work.wait()
 
     def _device(self, buf: torch.Tensor) -> torch.device:
         """Where rank 0 sends from: gloo from the host; NCCL from the GPU the buckets were

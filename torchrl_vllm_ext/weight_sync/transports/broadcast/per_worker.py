@@ -90,6 +90,30 @@ def byte_runs(header: UpdateHeader, runs: Runs) -> np.ndarray:
     return np.asarray(out, dtype=np.int64).reshape(-1, 3)
 
 
+Cuts = dict[tuple, np.ndarray]
+"""``(runs digest, bucket layout)`` -> :func:`byte_runs`: worked out once per layout."""
+
+
+def cut_runs(header: UpdateHeader, runs: Runs, digest: str, cuts: Cuts) -> np.ndarray:
+    """:func:`byte_runs` of ``runs`` in ``header``'s buckets, kept in ``cuts`` (the
+    buckets' tensors and the digest of ``runs`` name them), so each push of a layout
+    does not work them out again.
+
+    Examples:
+        >>> from torchrl_vllm_ext.weight_sync.transports.packing import pack
+        >>> header, cuts = pack({"a": torch.zeros(4)}, "1").header, {}
+        >>> runs = {"a": [[1, 2]]}
+        >>> cut_runs(header, runs, runs_digest(runs), cuts).tolist(), len(cuts)
+        ([[0, 4, 8]], 1)
+    """
+    key = (digest, tuple(b.tensors for b in header.buckets))
+    if key not in cuts:
+        while len(cuts) >= 8:  # layouts of the past
+            cuts.pop(next(iter(cuts)))
+        cuts[key] = byte_runs(header, runs)
+    return cuts[key]
+
+
 def strided(runs: np.ndarray) -> list[tuple[int, int, int, int, int]]:
     """``runs`` (:func:`byte_runs`) as ``(bucket, start, count, length, step)`` groups of
     equal runs at a constant step (a column shard: one group per tensor, not one run per

@@ -66,6 +66,10 @@ class BroadcastReceiver:
         """The buffers' checksums, verified (a delta's are these plus what it changed)."""
         self.reported: dict[str, per_worker.Runs] = {}
         """The slices this worker reported, by digest (what a per-worker payload is cut by)."""
+        self.cuts: per_worker.Cuts = {}
+        """Their byte runs of the buckets, kept from push to push."""
+        self._reported_of: tuple | None = None
+        """``(slices, digest)`` last reported: not worked out again while they hold."""
 
     def init_weight_broadcast(
         self,
@@ -109,9 +113,11 @@ class BroadcastReceiver:
         slices = self.loads.plans.slices(self._layout(header), lambda: model_state(model))
         if slices is None:
             return None
-        runs = per_worker.worker_runs(slices)
-        self.reported = {per_worker.runs_digest(runs): runs}  # the latest layout's only
-        return runs
+        if self._reported_of is None or self._reported_of[0] is not slices:
+            runs = per_worker.worker_runs(slices)
+            self._reported_of = (slices, per_worker.runs_digest(runs))
+            self.reported = {self._reported_of[1]: runs}  # the latest layout's only
+        return self.reported[self._reported_of[1]]
 
     def stage_weight_sends(self, update_json: str) -> bool:
         """Receive this worker's slices of one update and verify them in a background
@@ -145,7 +151,8 @@ class BroadcastReceiver:
         buffers = [
             _buffer(self.buffers, i, b.nbytes, self.device) for i, b in enumerate(header.buckets)
         ]
-        per_worker.scatter(payload, per_worker.byte_runs(header, runs), buffers)
+        cut = per_worker.cut_runs(header, runs, mine.runs_digest, self.cuts)
+        per_worker.scatter(payload, cut, buffers)
         reads = self.loads.plans.reads(self._layout(header))
         if reads is None:
             raise WeightSyncError(

@@ -52,10 +52,11 @@ from torchrl_vllm_ext.weight_sync.transports.broadcast.collective import Broadca
 from torchrl_vllm_ext.weight_sync.transports.broadcast.per_worker import (
     BROADCAST,
     PER_WORKER,
+    Cuts,
     Runs,
     broadcast_reason,
-    byte_runs,
     choose_route,
+    cut_runs,
     gather,
     runs_digest,
 )
@@ -81,10 +82,11 @@ def _cut(
     reported: dict[int, list[Runs]],
     replicas: Replicas,
     workers: int,
+    cuts: Cuts,
 ) -> tuple[dict[int, str], list[tuple[int, torch.Tensor]]]:
     """Each replica's :class:`PerWorkerUpdate` (JSON) and every ``(group rank, payload)``
     to send: each worker's slices cut from the buckets (workers that keep the same
-    slices share one payload)."""
+    slices share one payload; ``cuts``: their byte runs, kept from push to push)."""
     payloads: dict[str, tuple[WorkerPayload, torch.Tensor]] = {}
     updates, sends = {}, []
     for i, r in enumerate(replicas):
@@ -92,7 +94,7 @@ def _cut(
         for w, runs in enumerate(reported[r.replica_id]):
             digest = runs_digest(runs)
             if digest not in payloads:
-                payload = gather(buffers, byte_runs(header, runs))
+                payload = gather(buffers, cut_runs(header, runs, digest, cuts))
                 spec = WorkerPayload(payload.numel(), device_checksums([payload])[0], digest)
                 payloads[digest] = (spec, payload)
             spec, payload = payloads[digest]
@@ -160,6 +162,9 @@ class BroadcastTransport(Transport, Streamed):
         # Cast as packed: the packed buckets are checked for NaN / inf (half an fp32 push's
         # bytes; a value past the served dtype's range is caught as the inf it becomes).
         self.checks_finite = self._dtype is not None
+        self._cuts: Cuts = {}
+        """Per-worker sends: each worker's byte runs of the buckets, by its runs' digest
+        and the buckets' layout."""
         self._held: dict[str, str] = {}
         """Replica process (:attr:`ReplicaView.process`) -> the version its workers' receive buffers hold (what a delta
         changes); forgotten when the group is formed again (the workers drop them)."""
@@ -270,7 +275,7 @@ class BroadcastTransport(Transport, Streamed):
         await self._ensure_group(replicas, limit)  # 2) ranks follow ``replicas``' order
         t1 = time.perf_counter()
         updates, sends = await asyncio.to_thread(
-            _cut, header, buffers, reported, replicas, self.fleet.workers_per_replica
+            _cut, header, buffers, reported, replicas, self.fleet.workers_per_replica, self._cuts
         )
         cut = time.perf_counter() - t1
 
