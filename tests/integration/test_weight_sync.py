@@ -213,7 +213,7 @@ def test_tensor_parallel_replica_workers_are_sent_only_their_slices_by_broadcast
         before = {k: v.clone() for k, v in trainer.state_dict().items()}
         perturb(trainer, seed=12)
         weights = {k: v.clone() for k, v in trainer.state_dict().items()}
-        with WeightSyncScheme(tp2, transport="broadcast") as scheme:
+        with WeightSyncScheme(tp2, transport="broadcast", per_worker_sends=True) as scheme:
             traced = scheme.push(before, version="bc-trace")
             assert traced.sends == "broadcast", traced.sends_why
             assert "no load plan of this layout" in traced.sends_why

@@ -115,7 +115,9 @@ class WeightSyncScheme:
             bytes it keeps (its slices; the tensors it keeps whole, whole), point to point,
             instead of every byte to every worker (``SyncReport.sends`` says which, and
             why; ``SyncReport.reads`` what each worker received against what it keeps).
-            False: every push is one broadcast of every byte.
+            Off by default (every push one broadcast of every byte): on one host, where
+            the "wire" is a memory copy, cutting and writing back the slices costs more
+            than the bytes saved (``benchmarks/bench_slices.py --parts broadcast``).
 
     Examples:
         >>> scheme = WeightSyncScheme(service, transport="storage")  # doctest: +SKIP
@@ -138,7 +140,7 @@ class WeightSyncScheme:
         verify: bool | str = "first",
         verify_tol: float | None = None,
         delta: bool | str = "auto",
-        per_worker_sends: bool = True,
+        per_worker_sends: bool = False,
     ):
         if timeout_s is not None:  # one rule: a duration argument is `timeout`, in seconds
             warnings.warn(

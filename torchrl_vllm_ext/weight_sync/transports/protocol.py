@@ -60,7 +60,7 @@ class TransportOptions:
     delta_dtype: str | None = None
     """Delta pushes (:mod:`~torchrl_vllm_ext.weight_sync.delta`; storage and broadcast):
     the served dtype every push is cast to and compared in; None: full pushes, as pushed."""
-    per_worker_sends: bool = True
+    per_worker_sends: bool = False
     """Broadcast: send each worker of a tensor-parallel replica only its slices, where it
     can (:mod:`~torchrl_vllm_ext.weight_sync.transports.broadcast.per_worker`); False:
     every byte to every worker."""

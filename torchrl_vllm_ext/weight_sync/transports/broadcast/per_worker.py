@@ -151,11 +151,15 @@ def gather(buffers: list[torch.Tensor], runs: np.ndarray) -> torch.Tensor:
         >>> gather(buffers, np.array([[0, 1, 3], [0, 7, 8]])).tolist()
         [1, 2, 7]
     """
-    if not len(runs):
-        device = buffers[0].device if buffers else torch.device("cpu")
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    blocks = [_block(buffers[b], *group).reshape(-1) for b, *group in strided(runs)]
-    return torch.cat(blocks)
+    device = buffers[0].device if buffers else torch.device("cpu")
+    total = int((runs[:, 2] - runs[:, 1]).sum()) if len(runs) else 0
+    payload = torch.empty(total, dtype=torch.uint8, device=device)
+    at = 0
+    for b, *group in strided(runs):  # one copy of each group, straight into the payload
+        block = _block(buffers[b], *group)
+        payload[at : at + block.numel()].view(block.shape).copy_(block)
+        at += block.numel()
+    return payload
 
 
 def scatter(payload: torch.Tensor, runs: np.ndarray, buffers: list[torch.Tensor]) -> None:
