@@ -197,7 +197,7 @@ def per_worker_push(group, receivers, tensors, version, tamper=lambda update: up
     header_json = to_json(packed.header)
     reported = {0: [r.weight_broadcast_slices(header_json) for r in receivers]}
     assert choose_route(reported)[0] == PER_WORKER
-    updates, sends = _cut(packed.header, packed.buffers, reported, [Replica()], WORLD, {})
+    updates, sends = _cut(packed.header, packed.buffers, reported, [Replica()], WORLD, {}, {})
     update_json = to_json(tamper(from_json(updates[0], PerWorkerUpdate)))
     for r in receivers:
         r.stage_weight_sends(update_json)

@@ -142,9 +142,12 @@ def _block(buffer: torch.Tensor, start: int, count: int, length: int, step: int)
     return buffer[start:].as_strided((count, length), (step, 1))
 
 
-def gather(buffers: list[torch.Tensor], runs: np.ndarray) -> torch.Tensor:
+def gather(
+    buffers: list[torch.Tensor], runs: np.ndarray, into: torch.Tensor | None = None
+) -> torch.Tensor:
     """The bytes of ``runs`` (:func:`byte_runs`) of the packed ``buffers``, end to end:
-    one worker's payload.
+    one worker's payload (written into ``into``, a payload of an earlier push, when it
+    has the size and device: no fresh pages to fault in).
 
     Examples:
         >>> buffers = [torch.arange(10, dtype=torch.uint8)]
@@ -153,7 +156,10 @@ def gather(buffers: list[torch.Tensor], runs: np.ndarray) -> torch.Tensor:
     """
     device = buffers[0].device if buffers else torch.device("cpu")
     total = int((runs[:, 2] - runs[:, 1]).sum()) if len(runs) else 0
-    payload = torch.empty(total, dtype=torch.uint8, device=device)
+    if into is not None and into.numel() == total and into.device == device:
+        payload = into
+    else:
+        payload = torch.empty(total, dtype=torch.uint8, device=device)
     at = 0
     for b, *group in strided(runs):  # one copy of each group, straight into the payload
         block = _block(buffers[b], *group)

@@ -66,6 +66,8 @@ class BroadcastReceiver:
         """The buffers' checksums, verified (a delta's are these plus what it changed)."""
         self.reported: dict[str, per_worker.Runs] = {}
         """The slices this worker reported, by digest (what a per-worker payload is cut by)."""
+        self.payload: torch.Tensor | None = None
+        """The last per-worker payload's buffer (the next is received into it)."""
         self.cuts: per_worker.Cuts = {}
         """Their byte runs of the buckets, kept from push to push."""
         self._reported_of: tuple | None = None
@@ -131,7 +133,10 @@ class BroadcastReceiver:
         version's (the plan the slices came from reads nothing else)."""
         header, mine = update.header, update.workers[self.loads.worker.rank]
         runs = self.reported.get(mine.runs_digest)
-        payload = torch.empty(mine.nbytes, dtype=torch.uint8, device=self.device)
+        payload = self.payload
+        if payload is None or payload.numel() != mine.nbytes or payload.device != self.device:
+            payload = torch.empty(mine.nbytes, dtype=torch.uint8, device=self.device)
+            self.payload = payload  # kept: the next push's is received into it
         if mine.nbytes:  # a worker that keeps nothing is sent nothing
             self._collect(header, [payload], point_to_point=True)
         if runs is None:
@@ -283,7 +288,7 @@ class BroadcastReceiver:
         group, self.group = self.group, None
         if group is not None:
             end_group(self.backend, group.process_group)
-        self.buffers, self.held = [], None
+        self.buffers, self.held, self.payload = [], None, None
         return group is not None
 
 

@@ -83,10 +83,12 @@ def _cut(
     replicas: Replicas,
     workers: int,
     cuts: Cuts,
+    kept: dict[str, torch.Tensor],
 ) -> tuple[dict[int, str], list[tuple[int, torch.Tensor]]]:
     """Each replica's :class:`PerWorkerUpdate` (JSON) and every ``(group rank, payload)``
     to send: each worker's slices cut from the buckets (workers that keep the same
-    slices share one payload; ``cuts``: their byte runs, kept from push to push)."""
+    slices share one payload; ``cuts``: their byte runs, kept from push to push; ``kept``:
+    the last push's payloads by digest, written over, left holding this push's)."""
     payloads: dict[str, tuple[WorkerPayload, torch.Tensor]] = {}
     updates, sends = {}, []
     for i, r in enumerate(replicas):
@@ -94,13 +96,15 @@ def _cut(
         for w, runs in enumerate(reported[r.replica_id]):
             digest = runs_digest(runs)
             if digest not in payloads:
-                payload = gather(buffers, cut_runs(header, runs, digest, cuts))
+                payload = gather(buffers, cut_runs(header, runs, digest, cuts), kept.get(digest))
                 spec = WorkerPayload(payload.numel(), device_checksums([payload])[0], digest)
                 payloads[digest] = (spec, payload)
             spec, payload = payloads[digest]
             specs.append(spec)
             sends.append((1 + i * workers + w, payload))
         updates[r.replica_id] = to_json(PerWorkerUpdate(header, tuple(specs)))
+    kept.clear()
+    kept.update((digest, payload) for digest, (_, payload) in payloads.items())
     return updates, sends
 
 
@@ -162,6 +166,8 @@ class BroadcastTransport(Transport, Streamed):
         # Cast as packed: the packed buckets are checked for NaN / inf (half an fp32 push's
         # bytes; a value past the served dtype's range is caught as the inf it becomes).
         self.checks_finite = self._dtype is not None
+        self._payloads: dict[str, torch.Tensor] = {}
+        """Per-worker sends: the last push's payloads by digest (the next is cut into them)."""
         self._cuts: Cuts = {}
         """Per-worker sends: each worker's byte runs of the buckets, by its runs' digest
         and the buckets' layout."""
@@ -275,7 +281,14 @@ class BroadcastTransport(Transport, Streamed):
         await self._ensure_group(replicas, limit)  # 2) ranks follow ``replicas``' order
         t1 = time.perf_counter()
         updates, sends = await asyncio.to_thread(
-            _cut, header, buffers, reported, replicas, self.fleet.workers_per_replica, self._cuts
+            _cut,
+            header,
+            buffers,
+            reported,
+            replicas,
+            self.fleet.workers_per_replica,
+            self._cuts,
+            self._payloads,
         )
         cut = time.perf_counter() - t1
 
@@ -566,3 +579,4 @@ class BroadcastTransport(Transport, Streamed):
     def close(self) -> None:
         self._drop_group()
         self._versions.clear()
+        self._payloads.clear()
