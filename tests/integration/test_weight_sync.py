@@ -144,6 +144,20 @@ def test_restarted_replica_is_brought_to_current_weights(service, trainer, schem
     assert_replicas_match(service, trainer, f"after-crash-{transport}")
 
 
+def assert_each_worker_got_its_share(workers, transport: str) -> None:
+    """Each TP worker received exactly what it keeps of the sliced tensors (ratio 1.0) and
+    the others whole, each named with why."""
+    for rank, w in enumerate(workers):
+        print(
+            f"tp2 {transport} rank {rank}: pushed {w.nbytes}, received {w.received}, "
+            f"kept {w.kept}, sliced {w.sliced_received}/{w.sliced_kept}, "
+            f"whole {len(w.whole)}: {sorted(set(w.whole.values()))}"
+        )
+        assert w.sliced_ratio == 1.0, w
+        assert w.received == w.kept < w.nbytes, w
+        assert w.whole and all(w.whole.values()), w  # the norms, by name and why
+
+
 def test_tensor_parallel_replica_workers_read_only_their_slices(tiny_model, ray_cluster, trainer):
     """Storage on a TP=2 replica: the first push of a layout is read whole (the load plan is
     traced); from the next one each worker reads only its slices of the tensors its plan
@@ -172,15 +186,7 @@ def test_tensor_parallel_replica_workers_read_only_their_slices(tiny_model, ray_
             assert_replicas_match(tp2, trainer, "tp2-slices")
             sliced = replica_logprobs(tp2)
             (workers,) = report.reads.values()
-            for rank, w in enumerate(workers):
-                print(
-                    f"tp2 storage rank {rank}: pushed {w.nbytes}, received {w.received}, "
-                    f"kept {w.kept}, sliced {w.sliced_received}/{w.sliced_kept}, "
-                    f"whole {len(w.whole)}: {sorted(set(w.whole.values()))}"
-                )
-                assert w.sliced_ratio == 1.0, w
-                assert w.received == w.kept < w.nbytes, w
-                assert w.whole and all(w.whole.values()), w  # the norms, by name and why
+            assert_each_worker_got_its_share(workers, "storage")
             assert sum(w.kept for w in workers) >= report.nbytes  # the replicated ones twice
             assert 0.5 < report.kept_share < 1.0
 
@@ -224,15 +230,7 @@ def test_tensor_parallel_replica_workers_are_sent_only_their_slices_by_broadcast
             assert_replicas_match(tp2, trainer, "bc-slices")
             sliced = replica_logprobs(tp2)
             (workers,) = report.reads.values()
-            for rank, w in enumerate(workers):
-                print(
-                    f"tp2 broadcast rank {rank}: pushed {w.nbytes}, received {w.received}, "
-                    f"kept {w.kept}, sliced {w.sliced_received}/{w.sliced_kept}, "
-                    f"whole {len(w.whole)}: {sorted(set(w.whole.values()))}"
-                )
-                assert w.sliced_ratio == 1.0, w
-                assert w.received == w.kept < w.nbytes, w
-                assert w.whole and all(w.whole.values()), w  # the norms, by name and why
+            assert_each_worker_got_its_share(workers, "broadcast")
             assert report.sent_bytes == sum(w.received for w in workers)
             assert report.sent_bytes < 2 * report.nbytes  # what a broadcast to both moves
             print(f"tp2 broadcast: sent {report.sent_bytes} of {report.nbytes} x 2 workers")
