@@ -144,6 +144,18 @@ def test_restarted_replica_is_brought_to_current_weights(service, trainer, schem
     assert_replicas_match(service, trainer, f"after-crash-{transport}")
 
 
+def launch_tp2(tiny_model) -> VLLMService:
+    """One replica of two tensor-parallel workers (the slice tests' own service)."""
+    return VLLMService.launch(
+        tiny_model,
+        num_replicas=1,
+        tensor_parallel_size=2,
+        cpus_per_replica=CPUS_PER_REPLICA,
+        health_check_interval=0,
+        **ENGINE_KWARGS,
+    )
+
+
 def assert_each_worker_got_its_share(workers, transport: str) -> None:
     """Each TP worker received exactly what it keeps of the sliced tensors (ratio 1.0) and
     the others whole, each named with why."""
@@ -164,14 +176,7 @@ def test_tensor_parallel_replica_workers_read_only_their_slices(tiny_model, ray_
     cuts (received / kept = 1.0 on them), the others whole, by name; the replica serves
     the trainer's log-probs, bitwise those of a whole-tensor push (broadcast hands each
     worker every tensor whole) of the same weights."""
-    with VLLMService.launch(
-        tiny_model,
-        num_replicas=1,
-        tensor_parallel_size=2,
-        cpus_per_replica=CPUS_PER_REPLICA,
-        health_check_interval=0,
-        **ENGINE_KWARGS,
-    ) as tp2:
+    with launch_tp2(tiny_model) as tp2:
         storage = WeightSyncScheme(tp2, transport="storage")
         broadcast = WeightSyncScheme(tp2, transport="broadcast", per_worker_sends=False)
         with storage, broadcast:
@@ -207,14 +212,7 @@ def test_tensor_parallel_replica_workers_are_sent_only_their_slices_by_broadcast
     point, only its slices of the tensors its plan cuts (received / kept = 1.0 on them)
     and the others whole, by name; the replica serves the trainer's log-probs, bitwise
     those of a whole-tensor broadcast of the same weights."""
-    with VLLMService.launch(
-        tiny_model,
-        num_replicas=1,
-        tensor_parallel_size=2,
-        cpus_per_replica=CPUS_PER_REPLICA,
-        health_check_interval=0,
-        **ENGINE_KWARGS,
-    ) as tp2:
+    with launch_tp2(tiny_model) as tp2:
         perturb(trainer, seed=11)
         before = {k: v.clone() for k, v in trainer.state_dict().items()}
         perturb(trainer, seed=12)
